@@ -1,0 +1,67 @@
+"""`EngineConfig`: the one frozen config of the engine boundary, validated on construction.
+
+The environment is read here and nowhere else in `engine/` (`SLUICE_HOME`, `SLUICE_FAULT_INJECT`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEDULING_POLICIES = ("mixed", "prefill_first", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def sluice_home() -> Path:
+    return Path(os.environ.get("SLUICE_HOME", Path.home() / ".cache" / "sluice"))
+
+
+def fault_marker() -> str | None:
+    """Test-only fault injection: a prompt containing this text makes its step raise."""
+    return os.environ.get("SLUICE_FAULT_INJECT") or None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local HF directory; None = embedded default (engine/tiny.py)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory (kv_memory_fraction / kv_cpu_bytes)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV pool
+    scheduling: str = "mixed"
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int | None = None  # None: no per-prompt cap below the budget
+    max_num_partial_prefills: int = 4
+    seed: int = 0
+    kv_memory_fraction: float = 0.85  # CUDA: fraction of free memory after weights that holds KV
+    kv_cpu_bytes: int = 2 << 30  # CPU: bytes of KV cache when num_kv_blocks is None
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"EngineConfig: {msg}")
+
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        need(self.scheduling in SCHEDULING_POLICIES, f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
+        need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, f"block_size must be a power of two, got {self.block_size}")
+        need(self.num_kv_blocks is None or self.num_kv_blocks > 0, f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        need(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens > 0, f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        need(self.max_model_len is None or self.max_model_len > 1, f"max_model_len must be > 1, got {self.max_model_len}")
+        need(
+            self.long_prefill_token_threshold is None or self.long_prefill_token_threshold > 0,
+            f"long_prefill_token_threshold must be positive, got {self.long_prefill_token_threshold}",
+        )
+        need(self.max_num_partial_prefills > 0, f"max_num_partial_prefills must be positive, got {self.max_num_partial_prefills}")
+        need(0.0 < self.kv_memory_fraction <= 1.0, f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+
+    @property
+    def chunk_limit(self) -> int:
+        """Most prompt tokens one request may compute in one `mixed` step."""
+        t = self.long_prefill_token_threshold
+        return self.max_num_batched_tokens if t is None else min(t, self.max_num_batched_tokens)

@@ -1,0 +1,66 @@
+"""Incremental detokenization with stop strings.
+
+Emits text that never ends in a split UTF-8 character (decoded text ending in U+FFFD waits for
+the next token) and never shows any part of a matched stop string: the longest tail of the text
+that could still begin a stop string is held back until it is decided.
+"""
+from __future__ import annotations
+
+CONTEXT_TOKENS = 6  # prompt tokens decoded along with the output, so leading spaces come out right
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = stop
+        self.max_stop = max((len(s) for s in stop), default=0)
+        self.text = ""  # the completion text so far (cut at a matched stop string)
+        self.emitted = 0  # characters of `text` already handed out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add_token(self, token_id: int) -> bool:
+        """Appends one token; returns True when a stop string matched (the text is then final)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return False  # an incomplete UTF-8 sequence (or nothing printable) so far
+        start = len(self.text)
+        self.text += full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self.stop:
+            window = max(0, start - self.max_stop + 1)
+            hits = [i for s in self.stop if (i := self.text.find(s, window)) >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                return True
+        return False
+
+    def flush(self) -> None:
+        """At the end: keeps whatever bytes were still waiting for the rest of a character."""
+        if self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            self.text += self._decode(self.ids[self.prefix_offset :])[len(prefix) :]
+            self.prefix_offset = self.read_offset = len(self.ids)
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def delta(self, finished: bool) -> str:
+        """New text safe to show now; everything that is left once `finished`."""
+        end = len(self.text) if finished else len(self.text) - self._held_back()
+        out = self.text[self.emitted : max(end, self.emitted)]
+        self.emitted = max(end, self.emitted)
+        return out

@@ -1,0 +1,257 @@
+"""`LLMEngine`: add requests, step the scheduler/model loop, stream per-request deltas.
+
+Single-threaded by contract: every call comes from the one engine thread. The step loop is
+`batch = scheduler.schedule(); tokens = runner.run(batch); scheduler.postprocess(batch)`.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import torch
+
+from engine import loader
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, fault_marker
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner
+from engine.models import LlamaModel
+from engine.request import CompletionOutput, Request, RequestOutput, SamplingParams, Status
+from engine.scheduler import Batch, Scheduler
+
+log = logging.getLogger("sluice.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StepError(RuntimeError):
+    """A step failed; its requests were aborted and freed (they are not reported again)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        if config.model is None:
+            from engine.tiny import default_model_dir
+
+            model_dir = default_model_dir()
+        else:
+            model_dir = Path(config.model)
+        self.model_dir = model_dir
+        self.model_name = model_dir.name
+        self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                                   "cpu" if config.device == "auto" else config.device)
+        if config.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[config.dtype]
+
+        self.model_config = mc = loader.load_model_config(model_dir)
+        self.tokenizer = loader.load_tokenizer(model_dir)
+        self.eos_token_ids = loader.eos_token_ids(model_dir, self.tokenizer)
+        self.model = LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype)
+
+        block_size = config.block_size
+        bytes_per_block = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        model_len = config.max_model_len or mc.max_position_embeddings
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * config.kv_memory_fraction)
+            else:
+                budget = config.kv_cpu_bytes
+            needed = config.max_num_seqs * -(-model_len // block_size)
+            num_blocks = max(1, min(budget // bytes_per_block, needed))
+        capacity = num_blocks * block_size
+        if config.max_model_len is None:
+            max_model_len = min(mc.max_position_embeddings, capacity)
+        else:
+            max_model_len = config.max_model_len
+            if max_model_len > mc.max_position_embeddings:
+                raise ValueError(
+                    f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}"
+                )
+            if max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len={max_model_len} needs more KV than {num_blocks} blocks x {block_size} tokens = {capacity}; "
+                    "raise num_kv_blocks or lower max_model_len"
+                )
+        self.max_model_len = max_model_len
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, max_model_len)
+        self.runner = ModelRunner(
+            self.model, num_blocks, block_size, self.scheduler.whole_prompt_budget, config.max_num_seqs,
+            max_model_len, self.device, self.dtype, config.seed,
+        )
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._fault_marker = fault_marker()
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+        log.info(
+            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
+            self.model_name, self.device, self.dtype, num_blocks, block_size, max_model_len,
+        )
+
+    # -- requests --------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        if len(ids) == self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens = max_model_len={self.max_model_len}: no room to generate")
+        req = Request(request_id, ids, params, min(params.max_tokens, self.max_model_len - len(ids)))
+        req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        if params.seed is not None:
+            req.generator = self.runner.sampler.make_generator(params.seed)
+        if self._fault_marker is not None:
+            req.fault = self._fault_marker in self.tokenizer.decode(ids)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.finish(req, "abort")
+        self._aborted.append(self._output(req, [], "", None))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        samples = batch.samples()
+        try:
+            tokens, logprobs = self.runner.run(batch, samples)
+        except Exception as e:  # the model failed: fail only this step's requests, keep serving
+            ids = [r.request_id for r in batch.reqs]
+            log.exception("step failed; aborting requests %s", ids)
+            for r in batch.reqs:
+                self.requests.pop(r.request_id, None)
+                self.scheduler.finish(r, "abort")
+            raise StepError(ids, e) from e
+        self._count_prompt_tokens(batch)
+        self.scheduler.postprocess(batch)
+        self.num_steps += 1
+        j = 0
+        for req, sampled in zip(batch.reqs, samples):
+            if not sampled:
+                continue
+            outputs.append(self._append_token(req, tokens[j], logprobs[j]))
+            j += 1
+        return outputs
+
+    def _count_prompt_tokens(self, batch: Batch) -> None:
+        for r, n in zip(batch.reqs, batch.num_new_tokens):
+            self.prompt_tokens_computed += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
+
+    def _append_token(self, req: Request, token: int, logprob) -> RequestOutput:
+        p = req.params
+        req.token_ids.append(token)
+        self.generation_tokens += 1
+        reason, matched_stop_string = None, False
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"  # the stop token itself shows up in token ids, never in text
+        elif req.detok.add_token(token):
+            reason, matched_stop_string = "stop", True
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None and not matched_stop_string:
+            req.detok.flush()
+        out = self._output(req, [token], req.detok.delta(reason is not None), reason, [logprob] if logprob else None)
+        if reason is not None:
+            self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req, reason)
+        return out
+
+    def _output(self, req: Request, new: list[int], text: str, reason: str | None, logprobs=None) -> RequestOutput:
+        finished = reason is not None or req.status is Status.FINISHED
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new,
+            text_delta=text,
+            finished=finished,
+            finish_reason=reason if reason is not None else ("abort" if finished else None),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            logprobs=logprobs,
+        )
+
+    # -- conveniences ----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[CompletionOutput]:
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        acc: dict[str, CompletionOutput] = {}
+        pending = set(ids)
+        while pending:
+            for o in self.step():
+                c = acc.setdefault(o.request_id, CompletionOutput(o.request_id, [], "", "", o.num_prompt_tokens, 0, None))
+                c.token_ids += o.new_token_ids
+                c.text += o.text_delta
+                c.num_cached_tokens = o.num_cached_tokens
+                if o.logprobs:
+                    c.logprobs = (c.logprobs or []) + o.logprobs
+                if o.finished:
+                    c.finish_reason = o.finish_reason or "abort"
+                    pending.discard(o.request_id)
+        return [acc[i] for i in ids]
+
+    def pin_prefix(self, token_ids: list[int]) -> int:
+        """Computes `token_ids` once and pins their full KV blocks; returns the tokens pinned."""
+        self.generate([token_ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        return self.block_manager.pin(token_ids)
+
+    def check_integrity(self) -> None:
+        live = [r for r in self.scheduler.running]
+        self.block_manager.check_integrity(live)
+        for r in self.scheduler.waiting:
+            assert not r.block_table, f"waiting {r} holds blocks"
+
+    def stats(self) -> dict[str, float | int]:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+            "kv_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "generation_tokens": self.generation_tokens,
+        }

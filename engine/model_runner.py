@@ -1,0 +1,101 @@
+"""Turns a scheduled batch into tensors, runs the model forward and samples.
+
+Per-step metadata (token ids, positions, slots, block tables) is written into buffers allocated
+once; building it loops over requests, never over tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.models import LlamaModel
+from engine.models.llama import AttentionMetadata
+from engine.request import TokenLogprob
+from engine.sampler import Sampler
+from engine.scheduler import Batch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+    ):
+        cfg = model.cfg
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # NOTE: zeros, not empty: padded block-table entries point at block 0, and stale values
+        # must be finite so a masked-out score (weight 0) never turns into 0 * NaN.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        pin = device.type == "cuda"
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
+        self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
+        self.block_tables = torch.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self.cu_seqlens_q = torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin)
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin)
+        self.sampler = Sampler(seed, device)
+
+    def _prepare(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata]:
+        B, bs = len(batch), self.block_size
+        ns = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.asarray([r.num_computed_tokens for r in batch.reqs], dtype=np.int64)
+        T = int(ns.sum())
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(ns, out=cu[1:])
+
+        ids = self.input_ids.numpy()[:T]
+        for i, (r, s, n) in enumerate(zip(batch.reqs, starts, ns)):
+            ids[cu[i] : cu[i + 1]] = r.token_ids[s : s + n]
+        pos = self.positions.numpy()[:T]
+        pos[:] = np.arange(T) + np.repeat(starts - cu[:-1], ns)  # (T,)
+
+        max_blocks = max(len(r.block_table) for r in batch.reqs)
+        bt = self.block_tables.numpy()[:B, :max_blocks]
+        bt.fill(0)
+        for i, r in enumerate(batch.reqs):
+            bt[i, : len(r.block_table)] = r.block_table
+        seq_of_token = np.repeat(np.arange(B), ns)  # (T,)
+        slots = self.slot_mapping.numpy()[:T]
+        slots[:] = bt[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        self.cu_seqlens_q.numpy()[: B + 1] = cu
+        self.seq_lens.numpy()[:B] = starts + ns
+
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=self.positions[:T].to(dev, non_blocking=True),
+            slot_mapping=self.slot_mapping[:T].to(dev, non_blocking=True),
+            block_tables=self.block_tables[:B, :max_blocks].to(dev, non_blocking=True),
+            cu_seqlens_q=self.cu_seqlens_q[: B + 1].to(dev, non_blocking=True),
+            seq_lens=self.seq_lens[:B].to(dev, non_blocking=True),
+            logits_indices=torch.from_numpy(cu[1:] - 1).to(dev, non_blocking=True),
+        )
+        return self.input_ids[:T].to(dev, non_blocking=True), meta
+
+    def run(self, batch: Batch, samples: list[bool]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Computes the batch's new tokens; returns a sampled token for each request with `samples[i]`."""
+        if any(r.fault for r in batch.reqs):
+            raise RuntimeError("injected fault (SLUICE_FAULT_INJECT)")
+        input_ids, meta = self._prepare(batch)
+        rows = [i for i, s in enumerate(samples) if s]
+        if rows and len(rows) < len(batch):
+            meta.logits_indices = meta.logits_indices[torch.tensor(rows, device=self.device)]
+        elif not rows:
+            meta.logits_indices = meta.logits_indices[:1]  # the forward still fills the KV cache
+        logits = self.model.forward(input_ids, meta, self.kv_caches)
+        if not rows:
+            return [], []
+        return self.sampler(logits, [batch.reqs[i] for i in rows])

@@ -1,0 +1,138 @@
+"""Sampling parameters, per-request state and the outputs the engine hands back.
+
+A request's tokens are `prompt + outputs`; `num_computed_tokens` of them have KV in the cache.
+The scheduler only ever moves `num_computed_tokens` forward, or back to 0 on preemption.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"SamplingParams: {msg}")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        need(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        need(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        need(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
+        need(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class TokenLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the `logprobs` most likely tokens, best first
+
+
+class Request:
+    """Mutable state of one request; owned by the scheduler, read by the runner."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int):
+        self.request_id = request_id
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens capped by the context left
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
+        self.num_committed_blocks = 0  # leading blocks already published in the prefix cache
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic()
+        self.admitted = False  # set on first admission, so cache stats count each prompt once
+        self.fault = False  # test-only fault injection (engine.config.fault_marker)
+        self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
+        self.generator = None  # torch.Generator when params.seed is set
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token lacks KV: the request is (re)computing its prompt."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.value}, {self.num_computed_tokens}/{self.num_tokens})"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas, not totals)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None

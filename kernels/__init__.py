@@ -1,0 +1,57 @@
+"""Kernel ops used by the model forward (DESIGN.md §8), dispatched per call.
+
+Triton kernels serve CUDA tensors, the torch twins in `reference.py` serve CPU tensors.
+`SLUICE_KERNELS=triton|torch|auto` (read once, at import) forces one side; tests use
+`triton` with `TRITON_INTERPRET=1` to run the Triton kernels on CPU tensors.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import reference
+
+MODE = os.environ.get("SLUICE_KERNELS", "auto")
+if MODE not in ("auto", "triton", "torch"):
+    raise ValueError(f"SLUICE_KERNELS must be auto, triton or torch, not {MODE!r}")
+
+_triton = None
+
+
+def _triton_ops():
+    global _triton
+    if _triton is None:
+        from kernels import triton_ops  # imports triton lazily: CPU-only installs never pay for it
+
+        _triton = triton_ops
+    return _triton
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if MODE == "torch":
+        return False
+    if MODE == "triton":
+        return True
+    return t.is_cuda
+
+
+def _dispatch(name: str):
+    ref = getattr(reference, name)
+
+    def op(*args, **kwargs):
+        impl = getattr(_triton_ops(), name) if _use_triton(args[0] if name != "rotary_embedding" else args[1]) else ref
+        return impl(*args, **kwargs)
+
+    op.__name__ = name
+    op.__doc__ = ref.__doc__
+    return op
+
+
+paged_attention = _dispatch("paged_attention")
+store_kv = _dispatch("store_kv")
+rms_norm = _dispatch("rms_norm")
+rotary_embedding = _dispatch("rotary_embedding")
+silu_and_mul = _dispatch("silu_and_mul")
+
+__all__ = ["paged_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul", "MODE"]

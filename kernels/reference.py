@@ -1,0 +1,125 @@
+"""Torch twins of the kernels in `kernels/`: the CPU path and the ground truth for kernel tests.
+
+Every op here has the same signature and semantics as its Triton version (DESIGN.md §8).
+Clarity over speed, but no per-token Python loops: one gather per sequence at most.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int, slot = block * block_size + offset; -1 skips
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached rows of one sequence: [length, Hkv, D]."""
+    bs = cache.shape[1]
+    nb = (length + bs - 1) // bs
+    return cache[block_table[:nb].long()].flatten(0, 1)[:length]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D], new tokens of all sequences back to back
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32, context length including the new tokens
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [cu[b + 1] - cu[b] for b in range(len(lens))]
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    # NOTE: decodes (q_len == 1) are batched into one padded SDPA call; prefill chunks go one by one.
+    if len(decodes) > 1:
+        idx = torch.tensor(decodes)
+        max_len = max(lens[b] for b in decodes)
+        nb = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
+        bt = block_tables[idx, :nb].long()  # (B, nb)
+        k = k_cache[bt].flatten(1, 2)[:, :max_len]  # (B, L, Hkv, D)
+        v = v_cache[bt].flatten(1, 2)[:, :max_len]
+        rows = torch.tensor([cu[b] for b in decodes])
+        qb = q[rows].unsqueeze(2)  # (B, Hq, 1, D)
+        mask = torch.arange(max_len)[None, :] < torch.tensor([lens[b] for b in decodes])[:, None]
+        o = F.scaled_dot_product_attention(
+            qb.float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=Hq != Hkv,
+        )  # (B, Hq, 1, D)
+        out[rows] = o.squeeze(2).to(q.dtype)
+        decodes_done = set(decodes)
+    else:
+        decodes_done = set()
+    for b, n in enumerate(q_lens):
+        if n == 0 or b in decodes_done:
+            continue
+        L = lens[b]
+        k = _gather(k_cache, block_tables[b], L).transpose(0, 1).float()  # (Hkv, L, D)
+        v = _gather(v_cache, block_tables[b], L).transpose(0, 1).float()
+        qb = q[cu[b] : cu[b + 1]].transpose(0, 1).float()  # (Hq, n, D)
+        if n == L:
+            mask, causal = None, True
+        else:
+            # query i sits at position L - n + i and sees keys at positions <= its own
+            mask = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+            causal = False
+        o = F.scaled_dot_product_attention(
+            qb, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=Hq != Hkv
+        )  # (Hq, n, D)
+        out[cu[b] : cu[b + 1]] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return out if residual is None else (out, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, rot_dim]: cos (rot_dim/2) then sin (rot_dim/2)
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates the first rot_dim dims of each head in place and returns (q, k)."""
+    cs = cos_sin_cache[positions.long()]  # (T, rot_dim)
+    half = cs.shape[-1] // 2
+    cos, sin = cs[:, None, :half].float(), cs[:, None, half:].float()
+    for x in (q, k):
+        rot = x[..., : 2 * half].float()
+        if is_neox:
+            x1, x2 = rot[..., :half], rot[..., half:]
+            x[..., : 2 * half] = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(x.dtype)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            x[..., : 2 * half] = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2).to(x.dtype)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2d] -> [..., d]
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
