@@ -231,8 +231,15 @@ class LLMEngine:
 
     def pin_prefix(self, token_ids: list[int]) -> int:
         """Computes `token_ids` once and pins their full KV blocks; returns the tokens pinned."""
+        bm = self.block_manager
+        spare = bm.num_blocks - len(bm.pinned) - bm.blocks_needed(len(token_ids))
+        if spare < bm.blocks_needed(self.max_model_len):
+            raise ValueError(
+                f"pinning {len(token_ids)} tokens would leave {spare} KV blocks, fewer than one max_model_len "
+                f"request needs ({bm.blocks_needed(self.max_model_len)}); raise num_kv_blocks"
+            )
         self.generate([token_ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        return self.block_manager.pin(token_ids)
+        return bm.pin(token_ids)
 
     def check_integrity(self) -> None:
         live = [r for r in self.scheduler.running]

@@ -22,11 +22,12 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached rows of one sequence: [length, Hkv, D]."""
-    bs = cache.shape[1]
-    nb = (length + bs - 1) // bs
-    return cache[block_table[:nb].long()].flatten(0, 1)[:length]
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Rows of the first `num_blocks` blocks of each table: [B, num_blocks * block_size, Hkv, D]."""
+    nb_total, bs = cache.shape[:2]
+    idx = block_table[..., :num_blocks].reshape(-1).long()
+    # NOTE: index_select on a 2-D view copies whole blocks at once; ~10x faster than fancy indexing.
+    return cache.view(nb_total, -1).index_select(0, idx).view(-1, num_blocks * bs, *cache.shape[2:])
 
 
 def paged_attention(
@@ -39,7 +40,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     T, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
+    Hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    gqa = Hq != Hkv
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -48,39 +50,33 @@ def paged_attention(
     # NOTE: decodes (q_len == 1) are batched into one padded SDPA call; prefill chunks go one by one.
     if len(decodes) > 1:
         idx = torch.tensor(decodes)
-        max_len = max(lens[b] for b in decodes)
-        nb = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
-        bt = block_tables[idx, :nb].long()  # (B, nb)
-        k = k_cache[bt].flatten(1, 2)[:, :max_len]  # (B, L, Hkv, D)
-        v = v_cache[bt].flatten(1, 2)[:, :max_len]
+        nb = -(-max(lens[b] for b in decodes) // bs)
+        k = _gather(k_cache, block_tables[idx], nb).transpose(1, 2)  # (B, Hkv, L, D)
+        v = _gather(v_cache, block_tables[idx], nb).transpose(1, 2)
         rows = torch.tensor([cu[b] for b in decodes])
-        qb = q[rows].unsqueeze(2)  # (B, Hq, 1, D)
-        mask = torch.arange(max_len)[None, :] < torch.tensor([lens[b] for b in decodes])[:, None]
+        mask = torch.arange(nb * bs)[None, :] < torch.tensor([lens[b] for b in decodes])[:, None]
         o = F.scaled_dot_product_attention(
-            qb.float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=Hq != Hkv,
+            q[rows].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa
         )  # (B, Hq, 1, D)
-        out[rows] = o.squeeze(2).to(q.dtype)
-        decodes_done = set(decodes)
+        out[rows] = o.squeeze(2)
     else:
-        decodes_done = set()
+        decodes = []
+    done = set(decodes)
     for b, n in enumerate(q_lens):
-        if n == 0 or b in decodes_done:
+        if n == 0 or b in done:
             continue
         L = lens[b]
-        k = _gather(k_cache, block_tables[b], L).transpose(0, 1).float()  # (Hkv, L, D)
-        v = _gather(v_cache, block_tables[b], L).transpose(0, 1).float()
-        qb = q[cu[b] : cu[b + 1]].transpose(0, 1).float()  # (Hq, n, D)
+        k = _gather(k_cache, block_tables[b], -(-L // bs))[0, :L].transpose(0, 1)  # (Hkv, L, D)
+        v = _gather(v_cache, block_tables[b], -(-L // bs))[0, :L].transpose(0, 1)
+        qb = q[cu[b] : cu[b + 1]].transpose(0, 1)  # (Hq, n, D)
         if n == L:
             mask, causal = None, True
         else:
             # query i sits at position L - n + i and sees keys at positions <= its own
             mask = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
             causal = False
-        o = F.scaled_dot_product_attention(
-            qb, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=Hq != Hkv
-        )  # (Hq, n, D)
-        out[cu[b] : cu[b + 1]] = o.transpose(0, 1).to(q.dtype)
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+        out[cu[b] : cu[b + 1]] = o.transpose(0, 1)  # (n, Hq, D)
     return out
 
 
