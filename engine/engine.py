@@ -212,8 +212,14 @@ class LLMEngine:
     ) -> list[CompletionOutput]:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list):
+                self.add_request(rid, prompt, p)
+        except Exception:  # all or nothing: a bad prompt leaves no orphans behind
+            for rid in ids:
+                self.abort(rid)
+            self._aborted = [o for o in self._aborted if o.request_id not in ids]
+            raise
         acc: dict[str, CompletionOutput] = {}
         pending = set(ids)
         while pending:

@@ -54,7 +54,8 @@ def paged_attention(
         k = _gather(k_cache, block_tables[idx], nb).transpose(1, 2)  # (B, Hkv, L, D)
         v = _gather(v_cache, block_tables[idx], nb).transpose(1, 2)
         rows = torch.tensor([cu[b] for b in decodes])
-        mask = torch.arange(nb * bs)[None, :] < torch.tensor([lens[b] for b in decodes])[:, None]
+        dev = q.device  # SDPA refuses a CPU mask for CUDA inputs
+        mask = torch.arange(nb * bs, device=dev)[None, :] < torch.tensor([lens[b] for b in decodes], device=dev)[:, None]
         o = F.scaled_dot_product_attention(
             q[rows].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa
         )  # (B, Hq, 1, D)
@@ -73,7 +74,7 @@ def paged_attention(
             mask, causal = None, True
         else:
             # query i sits at position L - n + i and sees keys at positions <= its own
-            mask = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+            mask = torch.arange(L, device=q.device)[None, :] <= (L - n + torch.arange(n, device=q.device))[:, None]
             causal = False
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
         out[cu[b] : cu[b + 1]] = o.transpose(0, 1)  # (n, Hq, D)

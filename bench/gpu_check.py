@@ -1,0 +1,350 @@
+"""GPU check of the Triton kernels and the engine: correctness vs `kernels.reference`, timings vs the
+reference and vs SDPA on pre-gathered KV, decode GB/s vs HBM peak, engine output tokens/s. One
+markdown table on stdout. Run by `bench/gpu_check.sh`; `python -m bench.gpu_check --dry-run` runs tiny
+shapes on CPU through the Triton interpreter (logic only).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+DRY = "--dry-run" in sys.argv
+if DRY:  # before triton/kernels are imported: both read the environment once
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["SLUICE_KERNELS"] = "triton"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import reference, triton_ops  # noqa: E402
+
+HBM_PEAK_GBS = 4800.0  # H200 HBM3e
+TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 2e-5}  # max abs error vs the reference
+
+
+@dataclass
+class Row:
+    check: str
+    shape: str
+    err: str = "–"
+    triton_ms: str = "–"
+    ref_ms: str = "–"
+    sdpa_ms: str = "–"
+    gbs: str = "–"
+    tok_s: str = "–"
+    ok: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    hq: int
+    hkv: int
+    d: int
+    block_size: int
+    n_decode: int
+    decode_ctx: int
+    chunk: int  # new tokens of each of the two prefill chunks
+    chunk_cached: tuple[int, int]  # cached context in front of each chunk
+    few_decodes: int  # small decode batch at long context: where split-KV matters
+    long_ctx: int
+    tokens: int  # rows for the elementwise kernels
+    hidden: int
+    inter: int
+    dtype: torch.dtype
+
+
+REAL = Sizes(32, 8, 128, 16, 64, 4096, 512, (1536, 0), 4, 16384, 1088, 4096, 14336, torch.bfloat16)
+TINY = Sizes(4, 2, 32, 8, 3, 40, 8, (16, 0), 2, 1100, 12, 64, 96, torch.float32)
+
+
+def timed(fn: Callable[[], object], dev: str) -> float:
+    """Milliseconds per call: triton's do_bench (L2 flushed, median) on CUDA; one call on CPU."""
+    if dev == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=60))
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def fmt(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def judge(row: Row, err: float, dtype: torch.dtype) -> None:
+    row.err = f"{err:.1e}"
+    if not err <= TOL[dtype]:  # NaN fails too
+        row.ok = False
+        row.notes.append(f"error {err:.2e} > {TOL[dtype]:.0e}")
+
+
+# ---------------------------------------------------------------- attention
+
+
+def paged(q_lens: list[int], ctx: list[int], s: Sizes, dev: str, seed: int = 0):
+    """Batch over a shuffled block pool: (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    bs = s.block_size
+    need = [-(-c // bs) for c in ctx]
+    nblocks = sum(need)
+    perm = torch.randperm(nblocks, device=dev, generator=g).to(torch.int32)
+    tables = torch.zeros(len(ctx), max(need), dtype=torch.int32, device=dev)
+    off = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[off:off + n]
+        off += n
+    kc = torch.randn(nblocks, bs, s.hkv, s.d, device=dev, dtype=s.dtype, generator=g)
+    vc = torch.randn(nblocks, bs, s.hkv, s.d, device=dev, dtype=s.dtype, generator=g)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    q = torch.randn(sum(q_lens), s.hq, s.d, device=dev, dtype=s.dtype, generator=g)
+    return q, kc, vc, tables, cu, torch.tensor(ctx, dtype=torch.int32, device=dev)
+
+
+def sdpa_gathered(q_lens: list[int], ctx: list[int], args, scale: float) -> Callable[[], object]:
+    """SDPA on KV gathered into dense tensors beforehand (gather not timed): a dense-kernel bar.
+    Decodes go as one padded-free batch (all share one context length here), chunks one by one."""
+    q, kc, vc, tables, cu, _ = args
+    from torch.nn.attention.bias import causal_lower_right
+
+    def dense(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = -(-ctx[b] // kc.shape[1])
+        k = kc[tables[b, :n].long()].flatten(0, 1)[: ctx[b]].transpose(0, 1)  # (Hkv, L, D)
+        v = vc[tables[b, :n].long()].flatten(0, 1)[: ctx[b]].transpose(0, 1)
+        return k.contiguous(), v.contiguous()
+
+    cu_l = cu.tolist()
+    dec = [b for b, n in enumerate(q_lens) if n == 1]
+    assert len({ctx[b] for b in dec}) <= 1, "decodes share one context length in these checks"
+    calls = []
+    if dec:
+        kv = [dense(b) for b in dec]
+        kd, vd = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])  # (B, Hkv, L, D)
+        qd = q[[cu_l[b] for b in dec]].unsqueeze(2)  # (B, Hq, 1, D)
+        calls.append(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True))
+    for b, n in enumerate(q_lens):
+        if n > 1:
+            k, v = dense(b)
+            qb = q[cu_l[b]:cu_l[b + 1]].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
+            mask = causal_lower_right(n, ctx[b])
+            calls.append(lambda qb=qb, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
+                qb, k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True))
+    return lambda: [c() for c in calls]
+
+
+def kv_bytes(ctx: list[int], s: Sizes) -> int:
+    return sum(ctx) * s.hkv * s.d * 2 * s.dtype.itemsize  # K and V, each read once per KV head
+
+
+def attention_row(name: str, q_lens: list[int], ctx: list[int], s: Sizes, dev: str, *, sdpa: bool = True,
+                  bandwidth: bool = False, **kw) -> Row:
+    shape = f"{name}; Hq={s.hq} Hkv={s.hkv} D={s.d} bs={s.block_size}" + (f" splits={kw['num_splits']}" if kw else "")
+    row = Row("paged_attention", shape)
+    args = paged(q_lens, ctx, s, dev)
+    scale = s.d ** -0.5
+    out = triton_ops.paged_attention(*args, scale, **kw)
+    judge(row, max_err(out, reference.paged_attention(*args, scale)), s.dtype)
+    t = timed(lambda: triton_ops.paged_attention(*args, scale, **kw), dev)
+    row.triton_ms = fmt(t)
+    row.ref_ms = fmt(timed(lambda: reference.paged_attention(*args, scale), dev))
+    if sdpa:
+        row.sdpa_ms = fmt(timed(sdpa_gathered(q_lens, ctx, args, scale), dev))
+    if bandwidth:
+        gbs = kv_bytes(ctx, s) / (t * 1e-3) / 1e9
+        row.gbs = f"{gbs:.0f} ({100 * gbs / HBM_PEAK_GBS:.0f}%)"
+    return row
+
+
+def attention_rows(s: Sizes, dev: str) -> list[Callable[[], Row]]:
+    dec_q, dec_ctx = [1] * s.n_decode, [s.decode_ctx] * s.n_decode
+    chunk_ctx = [c + s.chunk for c in s.chunk_cached]
+    few_q, few_ctx = [1] * s.few_decodes, [s.long_ctx] * s.few_decodes
+    return [
+        lambda: attention_row(f"{s.n_decode} decodes @{s.decode_ctx} + 2 chunks of {s.chunk} (cached {s.chunk_cached})",
+                              dec_q + [s.chunk] * 2, dec_ctx + chunk_ctx, s, dev),
+        lambda: attention_row(f"{s.n_decode} decodes @{s.decode_ctx}", dec_q, dec_ctx, s, dev, bandwidth=True),
+        lambda: attention_row(f"{s.few_decodes} decodes @{s.long_ctx} (auto split-KV)", few_q, few_ctx, s, dev,
+                              bandwidth=True),
+        lambda: attention_row(f"{s.few_decodes} decodes @{s.long_ctx}", few_q, few_ctx, s, dev, sdpa=False,
+                              bandwidth=True, num_splits=1),
+    ]
+
+
+# ---------------------------------------------------------------- elementwise kernels
+
+
+def elementwise_rows(s: Sizes, dev: str) -> list[Callable[[], Row]]:
+    T, dt = s.tokens, s.dtype
+    g = torch.Generator(device=dev).manual_seed(1)
+
+    def rnd(*shape: int, dtype: torch.dtype = dt) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, generator=g).to(dtype)
+
+    def store() -> Row:
+        row = Row("store_kv", f"T={T} Hkv={s.hkv} D={s.d}, 1/8 slots -1")
+        k, v = rnd(T, s.hkv, s.d), rnd(T, s.hkv, s.d)
+        nb = -(-2 * T // s.block_size)
+        kc, vc = rnd(nb, s.block_size, s.hkv, s.d), rnd(nb, s.block_size, s.hkv, s.d)
+        slots = torch.randperm(nb * s.block_size, device=dev, generator=g)[:T]
+        slots[::8] = -1
+        kr, vr = kc.clone(), vc.clone()
+        triton_ops.store_kv(k, v, kc, vc, slots)
+        reference.store_kv(k, v, kr, vr, slots)
+        judge(row, max(max_err(kc, kr), max_err(vc, vr)), torch.float32)  # a copy: exact
+        row.triton_ms = fmt(timed(lambda: triton_ops.store_kv(k, v, kc, vc, slots), dev))
+        row.ref_ms = fmt(timed(lambda: reference.store_kv(k, v, kr, vr, slots), dev))
+        return row
+
+    def norm() -> Row:
+        row = Row("rms_norm + residual", f"T={T} H={s.hidden}")
+        x, r, w = rnd(T, s.hidden), rnd(T, s.hidden), rnd(s.hidden)
+        (o, nr), (ro, rr) = triton_ops.rms_norm(x, w, 1e-6, r), reference.rms_norm(x, w, 1e-6, r)
+        judge(row, max(max_err(o, ro), max_err(nr, rr)), dt)
+        row.triton_ms = fmt(timed(lambda: triton_ops.rms_norm(x, w, 1e-6, r), dev))
+        row.ref_ms = fmt(timed(lambda: reference.rms_norm(x, w, 1e-6, r), dev))
+        return row
+
+    def rope(is_neox: bool) -> Row:
+        row = Row("rotary_embedding", f"T={T} Hq={s.hq} Hkv={s.hkv} D={s.d} {'neox' if is_neox else 'gptj'}")
+        q, k = rnd(T, s.hq, s.d), rnd(T, s.hkv, s.d)
+        pos = torch.randint(0, 4096, (T,), device=dev, generator=g)
+        cs = rnd(4096, s.d, dtype=torch.float32)
+        qr, kr = reference.rotary_embedding(pos, q.clone(), k.clone(), cs, is_neox)
+        qt, kt = triton_ops.rotary_embedding(pos, q.clone(), k.clone(), cs, is_neox)
+        judge(row, max(max_err(qt, qr), max_err(kt, kr)), dt)
+        row.triton_ms = fmt(timed(lambda: triton_ops.rotary_embedding(pos, q, k, cs, is_neox), dev))
+        row.ref_ms = fmt(timed(lambda: reference.rotary_embedding(pos, q, k, cs, is_neox), dev))
+        return row
+
+    def silu() -> Row:
+        row = Row("silu_and_mul", f"T={T} d={s.inter}")
+        x = rnd(T, 2 * s.inter)
+        judge(row, max_err(triton_ops.silu_and_mul(x), reference.silu_and_mul(x)), dt)
+        row.triton_ms = fmt(timed(lambda: triton_ops.silu_and_mul(x), dev))
+        row.ref_ms = fmt(timed(lambda: reference.silu_and_mul(x), dev))
+        return row
+
+    return [store, norm, lambda: rope(True), lambda: rope(False), silu]
+
+
+# ---------------------------------------------------------------- engine end to end
+
+# Qwen2-0.5B layer shapes (llama layout, no qkv bias) with the tiny builder's 8k BPE vocab.
+MODEL_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 head_dim=64, intermediate_size=4864, max_position_embeddings=4096, tie_word_embeddings=True)
+MODEL_DRY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=128, max_position_embeddings=1024)
+
+
+def engine_rows(
+    dev: str, batches: list[int], prompt_len: int, new_tokens: int, with_torch: bool
+) -> list[Callable[[], Row]]:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.tiny import write_model
+
+    state: dict[str, object] = {}
+
+    def engine() -> tuple[object, int]:
+        if "eng" not in state:
+            tmp = tempfile.mkdtemp(prefix="sluice-gpu-check-")
+            cfg = MODEL_05B if dev == "cuda" else MODEL_DRY
+            vocab = 8192 if dev == "cuda" else 1024
+            dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+            path = write_model(tmp, cfg, seed=0, dtype=dtype, tokenizer_vocab=vocab, progress=False)
+            state["eng"] = LLMEngine(EngineConfig(
+                model=str(path), dtype="bfloat16" if dev == "cuda" else "float32", device=dev,
+                max_num_seqs=max(batches), max_num_batched_tokens=8192, max_model_len=1024,
+                num_kv_blocks=None if dev == "cuda" else 256,
+            ))
+            state["vocab"] = vocab
+        return state["eng"], state["vocab"]  # type: ignore[return-value]
+
+    def run(bs: int) -> float:
+        eng, vocab = engine()
+        g = torch.Generator().manual_seed(bs)
+        prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(bs)]
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        eng.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))  # JIT warm-up
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = eng.generate(prompts, params)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+        assert all(len(o.token_ids) == new_tokens for o in outs)
+        return bs * new_tokens / elapsed
+
+    def row(bs: int) -> Row:
+        r = Row("engine end to end", f"{'0.5B-shaped bf16' if dev == 'cuda' else 'tiny fp32'}, batch {bs}, "
+                                     f"{prompt_len} in / {new_tokens} out")
+        tok_s = run(bs)
+        r.tok_s = f"{tok_s:,.0f}"
+        if with_torch:
+            mode = kernels.MODE
+            kernels.MODE = "torch"  # the dispatch reads it per call
+            try:
+                r.tok_s += f" (torch ref: {run(bs):,.0f})"
+            finally:
+                kernels.MODE = mode
+        return r
+
+    return [lambda bs=bs: row(bs) for bs in batches]
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU via TRITON_INTERPRET (logic check)")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--no-torch-e2e", action="store_true", help="skip the torch-reference engine comparison")
+    args = ap.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run for a CPU logic check", file=sys.stderr)
+        return 2
+    dev = "cpu" if args.dry_run else "cuda"
+    s = TINY if args.dry_run else REAL
+    checks = attention_rows(s, dev) + elementwise_rows(s, dev)
+    if not args.skip_engine:
+        batches = [1, 2] if args.dry_run else [1, 16, 64, 128]
+        checks += engine_rows(dev, batches, 8 if args.dry_run else 128, 3 if args.dry_run else 128,
+                              with_torch=not args.no_torch_e2e)
+
+    rows: list[Row] = []
+    t0 = time.perf_counter()
+    for i, make in enumerate(checks):
+        try:
+            rows.append(make())
+        except Exception as e:  # one broken check must not hide the others
+            traceback.print_exc(file=sys.stderr)
+            rows.append(Row(f"check #{i}", "–", ok=False, notes=[f"{type(e).__name__}: {e}"[:120]]))
+        print(f"[{time.perf_counter() - t0:6.1f}s] {rows[-1].check}: {rows[-1].shape}", file=sys.stderr, flush=True)
+
+    name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (TRITON_INTERPRET dry run: timings meaningless)"
+    print(f"\n### Sluice GPU check: {name}, torch {torch.__version__}\n")
+    print("| check | shape | max abs err | Triton ms | reference ms | SDPA (gathered KV) ms "
+          "| decode KV GB/s (% of 4.8 TB/s) | output tok/s | status |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        status = "ok" if r.ok else "FAIL " + "; ".join(r.notes)
+        print(f"| {r.check} | {r.shape} | {r.err} | {r.triton_ms} | {r.ref_ms} | {r.sdpa_ms} | {r.gbs} "
+              f"| {r.tok_s} | {status} |")
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
