@@ -38,7 +38,7 @@ class EngineConfig:
     max_num_partial_prefills: int = 4
     seed: int = 0
     kv_memory_fraction: float = 0.85  # CUDA: fraction of free memory after weights that holds KV
-    kv_cpu_bytes: int = 2 << 30  # CPU: bytes of KV cache when num_kv_blocks is None
+    kv_cpu_bytes: int = 512 << 20  # CPU: bytes of KV cache when num_kv_blocks is None
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:

@@ -157,6 +157,7 @@ class LLMEngine:
             for r in batch.reqs:
                 self.requests.pop(r.request_id, None)
                 self.scheduler.finish(r, "abort")
+            self._aborted = outputs + self._aborted  # earlier aborts are still reported next step
             raise StepError(ids, e) from e
         self._count_prompt_tokens(batch)
         self.scheduler.postprocess(batch)
@@ -210,7 +211,10 @@ class LLMEngine:
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[CompletionOutput]:
+        """Runs `prompts` to completion. Drives `step()` itself: not for use beside other step() callers."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(params_list)} SamplingParams")
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params_list):
@@ -224,6 +228,8 @@ class LLMEngine:
         pending = set(ids)
         while pending:
             for o in self.step():
+                if o.request_id not in pending:
+                    continue
                 c = acc.setdefault(o.request_id, CompletionOutput(o.request_id, [], "", "", o.num_prompt_tokens, 0, None))
                 c.token_ids += o.new_token_ids
                 c.text += o.text_delta

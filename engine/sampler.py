@@ -39,7 +39,8 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         drop = ranks >= k[:, None]
         probs = sorted_logits.softmax(-1)
         # a token is dropped when the tokens before it already cover top_p; the best one always stays
-        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+        # NOTE: top_p == 1 must mean "off": a float32 cumsum reaches 1.0 before the tail ends.
+        drop |= ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,24 @@
+"""`sluice serve` / `python -m service`: parse flags into a `ServerConfig` and serve."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from service.config import parse_config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # NOTE: torch's worker threads spin while waiting; on a small CPU box, leaving one core to the
+    # event loop keeps streaming latency flat. Must be set before torch is imported.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
+    from service.server import serve  # after flag parsing: `--help` must not wait for torch to import
+
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The Starlette app: routes, middleware, and `Service`, the state every handler shares.
+
+The lifespan starts the engine thread and returns at once, so `/health` answers 503 while the
+model loads and 200 once it is ready; `Service.drain` is the graceful-shutdown sequence.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from service import openai_api, ws
+from service.auth import ApiKeyMiddleware
+from service.bridge import EngineBridge
+from service.config import ServerConfig
+from service.metrics import Metrics
+
+if TYPE_CHECKING:
+    from service.ws import Connection
+
+log = logging.getLogger("sluice.app")
+
+
+
+def _web_dir() -> Path | None:
+    """The UI: beside the source tree (checkout, editable install), or where the wheel's data-files
+    put it (`pip install .`, the Docker image)."""
+    for d in (Path(__file__).resolve().parent.parent / "web", Path(sys.prefix) / "share" / "sluice" / "web"):
+        if (d / "index.html").is_file():
+            return d
+    return None
+
+
+class Service:
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any]) -> None:
+        self.config = config
+        pinned = [Path(p).read_text(encoding="utf-8") for p in config.pin_system_prompt]
+        self.metrics = Metrics(lambda: self.bridge.stats)
+        self.bridge = EngineBridge(engine_factory, max_queued=config.max_queued_requests,
+                                   pinned_system_prompts=pinned, metrics=self.metrics)
+        self.connections: set[Connection] = set()
+        self.draining = False
+        self.started_at = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or self.bridge.model_name
+
+    @property
+    def accepting(self) -> bool:
+        return self.bridge.ready and not self.draining
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.bridge.start()
+        try:
+            yield
+        finally:
+            await self.bridge.stop()
+
+    async def drain(self, timeout: float, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Refuse new chats, let those in flight finish (then cancel the rest), close sockets with 1001.
+
+        `give_up()` turning true (a second Ctrl+C) skips the rest of the wait."""
+        self.draining = True
+        log.info("shutting down: %d requests in flight, %d websockets", self.bridge.num_in_flight,
+                 len(self.connections))
+        if not await _wait_until(lambda: not self.bridge.num_in_flight or give_up(), timeout):
+            log.warning("cancelling %d requests still running after %.0f s", self.bridge.num_in_flight, timeout)
+            self.bridge.abort_all()
+            await _wait_until(lambda: not self.bridge.num_in_flight or give_up(), 5.0)
+        for conn in list(self.connections):
+            conn.shutdown(1001)
+        # a client that never reads its close frame gets no longer than this
+        await _wait_until(lambda: not self.connections or give_up(), 2.0)
+
+
+async def _wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def health(request: Request) -> Response:
+    svc: Service = request.app.state.service
+    if svc.bridge.fatal is not None:
+        return JSONResponse({"status": "failed", "error": svc.bridge.fatal}, status_code=503)
+    if not svc.accepting:
+        return JSONResponse({"status": "draining" if svc.draining else "starting"}, status_code=503)
+    return JSONResponse({"status": "ok", "model": svc.model_name})
+
+
+async def metrics(request: Request) -> Response:
+    body, content_type = request.app.state.service.metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """OpenAI's error shape under /v1, plain text elsewhere (404 for an unknown route, 405, ...)."""
+    assert isinstance(exc, HTTPException)
+    if request.url.path.startswith("/v1/"):
+        return openai_api.error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+    return PlainTextResponse(exc.detail, status_code=exc.status_code)
+
+
+def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> Starlette:
+    """The ASGI app. `engine_factory` runs on the engine thread; default: `LLMEngine(EngineConfig(...))`."""
+    if engine_factory is None:
+        from engine import EngineConfig, LLMEngine
+
+        engine_config = EngineConfig(**config.engine_kwargs())  # bad values fail here, before serving
+
+        def engine_factory() -> Any:
+            return LLMEngine(engine_config)
+
+    svc = Service(config, engine_factory)
+    routes: list[Any] = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        WebSocketRoute("/v1/ws", ws.websocket_endpoint),
+        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/v1/models", openai_api.models),
+    ]
+    web = _web_dir()
+    if web is not None:
+        routes.append(Mount("/", StaticFiles(directory=web, html=True)))
+    middleware = [Middleware(ApiKeyMiddleware, api_key=config.api_key)]
+    if config.allowed_origins:  # browsers calling the HTTP API obey the same list as WebSocket upgrades
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                                        allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"]))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=svc.lifespan,
+                    exception_handlers={HTTPException: http_error})
+    app.state.service = svc
+    return app

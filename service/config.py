@@ -1,0 +1,143 @@
+"""`ServerConfig`: the one frozen config of the service, built from CLI flags (one flag per field).
+
+The environment is read here and nowhere else in `service/` (`SLUICE_API_KEY`).
+Engine fields left at `None` fall through to `EngineConfig`'s own defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# NOTE: these ServerConfig fields are passed to EngineConfig under the same name (see engine_kwargs).
+ENGINE_FIELDS = (
+    "model", "dtype", "device", "block_size", "num_kv_blocks", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len", "scheduling", "long_prefill_token_threshold",
+    "max_num_partial_prefills", "seed",
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # engine (EngineConfig fields)
+    model: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    block_size: int | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    scheduling: str | None = None
+    prefix_caching: bool = True
+    long_prefill_token_threshold: int | None = None
+    max_num_partial_prefills: int | None = None
+    seed: int | None = None
+    pin_system_prompt: tuple[str, ...] = ()
+    # HTTP / WebSocket surface
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    max_connections: int | None = None
+    max_inflight_per_connection: int = 16
+    max_queued_requests: int = 1024
+    max_message_bytes: int = 1 << 20
+    timeout_graceful_shutdown: float = 20.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        for name in ("max_inflight_per_connection", "max_queued_requests", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("--max-connections must be >= 1")
+        if self.timeout_graceful_shutdown < 0:
+            raise ValueError("--timeout-graceful-shutdown must be >= 0")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `EngineConfig`; unset fields are omitted so the engine's defaults apply."""
+        kwargs = {f: getattr(self, f) for f in ENGINE_FIELDS if getattr(self, f) is not None}
+        kwargs["enable_prefix_caching"] = self.prefix_caching
+        return kwargs
+
+
+def _csv(values: Sequence[str] | None) -> tuple[str, ...]:
+    """Flags that take lists accept both repetition and commas: `--allowed-origins a,b --allowed-origins c`."""
+    return tuple(v.strip() for item in values or () for v in item.split(",") if v.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sluice serve",
+        description="Serve a model over WebSocket (/v1/ws) and OpenAI-compatible HTTP (/v1/*).",
+    )
+    d = ServerConfig()
+    e = p.add_argument_group("engine")
+    e.add_argument("--model", help="local Hugging Face model directory (default: the embedded tiny model)")
+    e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    e.add_argument("--block-size", type=int, help="tokens per KV block")
+    e.add_argument("--num-kv-blocks", type=int, help="KV blocks in the pool (default: sized from memory)")
+    e.add_argument("--max-num-seqs", type=int, help="most sequences in one step")
+    e.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    e.add_argument("--max-model-len", type=int, help="context length (prompt + completion)")
+    e.add_argument("--scheduling", choices=["mixed", "prefill_first", "static"])
+    e.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
+                   help="reuse the KV cache of shared prompt prefixes (default: on)")
+    e.add_argument("--long-prefill-token-threshold", type=int, help="largest prefill chunk of one prompt")
+    e.add_argument("--max-num-partial-prefills", type=int, help="prompts mid-prefill at once")
+    e.add_argument("--seed", type=int, help="engine RNG seed")
+    e.add_argument("--pin-system-prompt", action="append", metavar="FILE",
+                   help="keep the KV cache of a system prompt (file content) forever; repeatable")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=d.host, help="interface to bind (default: %(default)s)")
+    s.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
+    s.add_argument("--served-model-name", help="model name in API responses (default: the model's)")
+    s.add_argument("--api-key", help="require this key on /v1/* and the WebSocket (env: SLUICE_API_KEY)")
+    s.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
+                   help="comma-separated Origins allowed to open WebSockets; repeatable (default: any)")
+    s.add_argument("--max-connections", type=int, help="most open WebSocket connections (default: no limit)")
+    s.add_argument("--max-inflight-per-connection", type=int, default=d.max_inflight_per_connection,
+                   help="most concurrent chats on one WebSocket (default: %(default)s)")
+    s.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests waiting for the engine before new ones are refused as overloaded (default: %(default)s)")
+    s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                   help="largest WebSocket frame (close 1009) and HTTP request body (413) (default: %(default)s)")
+    s.add_argument("--timeout-graceful-shutdown", type=float, default=d.timeout_graceful_shutdown,
+                   help="seconds in-flight requests may run after SIGTERM before they are cancelled (default: %(default)s)")
+    s.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
+                   help="(default: %(default)s); request text is never logged at info")
+    return p
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """Flags (`serve` as first word is optional) plus the environment -> `ServerConfig`."""
+    argv = list(argv if argv is not None else ())
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    ns["pin_system_prompt"] = tuple(ns["pin_system_prompt"] or ())
+    ns["allowed_origins"] = _csv(ns["allowed_origins"])
+    if ns["api_key"] is None:
+        ns["api_key"] = environ.get("SLUICE_API_KEY") or None
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    assert set(ns) == fields, f"flags and ServerConfig fields differ: {set(ns) ^ fields}"
+    for path in ns["pin_system_prompt"]:
+        if not os.path.isfile(path):
+            parser.error(f"--pin-system-prompt: no such file: {path}")
+    try:
+        return ServerConfig(**ns)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,103 @@
+"""Loop-side request types shared by the bridge and the two front ends (ws.py, openai_api.py).
+
+A `RequestHandle` is written by the bridge and read by one consumer, both on the event loop;
+whatever the consumer has not taken yet is merged, never queued per step.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# (token text, logprob, [(top token text, logprob), ...]) per generated token
+TokenLogprobs = tuple[str, float, list[tuple[str, float]]]
+
+
+class RequestError(Exception):
+    """A request refused or failed; `code` is a PROTOCOL.md error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: list[dict[str, str]] | str | list[int]  # chat messages (chat=True), or raw text / token ids
+    chat: bool
+    sampling: dict[str, Any]  # SamplingParams kwargs except max_tokens/logprobs
+    max_tokens: int | None = None  # None: all the context the prompt leaves
+    logprobs: int | None = None
+    api: str = "ws"  # metrics label
+
+
+class RequestHandle:
+    """One request in flight. The bridge `push`es outputs in; the consumer `take()`s them out, merged."""
+
+    def __init__(self, request_id: str, api: str, notify: Callable[[], None]) -> None:
+        self.request_id = request_id
+        self.api = api
+        self.notify = notify  # wakes the consumer; called on the loop after every change
+        self.arrival = time.monotonic()
+        self.prompt_tokens: int | None = None  # set by the first output: the request has started
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.queue_s = 0.0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.error: RequestError | None = None
+        self._text: list[str] = []
+        self._tokens = 0
+        self._logprobs: list[TokenLogprobs] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    def push(self, text: str, num_tokens: int, logprobs: list[TokenLogprobs] | None) -> None:
+        self.completion_tokens += num_tokens
+        self._tokens += num_tokens
+        if text:
+            self._text.append(text)
+        if logprobs:
+            self._logprobs.extend(logprobs)
+
+    def finish(self, reason: str | None, error: RequestError | None) -> None:
+        assert not self.finished, f"request {self.request_id} finished twice"
+        self.finished_at = time.monotonic()
+        self.finish_reason, self.error = reason, error
+
+    def take(self) -> tuple[str, int, list[TokenLogprobs]]:
+        """Everything not yet taken, merged: (text, number of tokens, logprobs)."""
+        text, tokens, lps = "".join(self._text), self._tokens, self._logprobs
+        self._text, self._tokens, self._logprobs = [], 0, []
+        return text, tokens, lps
+
+    def timing_ms(self) -> tuple[float, float | None, float]:
+        """(queue, time to first token or None, total) in milliseconds since arrival."""
+        end = self.finished_at or time.monotonic()
+        ttft = None if self.first_token_at is None else (self.first_token_at - self.arrival) * 1e3
+        return self.queue_s * 1e3, ttft, (end - self.arrival) * 1e3
+
+
+class TokenRate:
+    """Generated tokens per second over the last few seconds of stats snapshots."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self.points: list[tuple[float, int]] = []
+
+    def add(self, t: float, total: int) -> None:
+        self.points.append((t, total))
+        while len(self.points) > 2 and t - self.points[0][0] > self.window_s:
+            self.points.pop(0)
+
+    def per_s(self, now: float) -> float:
+        if len(self.points) < 2 or now - self.points[-1][0] > self.window_s:
+            return 0.0
+        (t0, n0), (t1, n1) = self.points[0], self.points[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0

@@ -1,0 +1,88 @@
+"""Prometheus metrics (DESIGN.md §6), all prefixed `sluice_`, in a registry of their own.
+
+Engine counters are not mirrored into Counter objects: a custom collector reads the latest stats
+snapshot at scrape time, so the exposition is always exactly the engine's numbers.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_ENGINE_COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "num_preemptions": "Requests preempted for lack of KV blocks.",
+    "num_steps": "Engine steps run.",
+    "prompt_tokens_computed": "Prompt tokens run through the model (cache misses).",
+    "generation_tokens": "Tokens generated.",
+}
+_ENGINE_GAUGES = {
+    "num_running": "Requests running in the engine.",
+    "num_waiting": "Requests waiting for the engine.",
+    "num_kv_blocks": "KV cache blocks in the pool.",
+    "num_free_kv_blocks": "Free KV cache blocks (cached-but-unused blocks count as free).",
+    "kv_usage": "Fraction of KV cache blocks in use (0..1).",
+}
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._snapshot()
+        if not stats:  # engine not started yet: expose nothing rather than made-up zeros
+            return
+        for key, doc in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"sluice_{key}", doc, value=float(stats.get(key, 0)))
+        for key, doc in _ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(f"sluice_{key}", doc, value=float(stats.get(key, 0)))
+
+
+class Metrics:
+    """Request-level metrics observed by the service, plus the engine's counters at scrape time."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("sluice_time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("sluice_inter_token_latency_seconds", "Time between two tokens of a request.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("sluice_e2e_request_latency_seconds", "Arrival to the last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("sluice_queue_time_seconds", "Arrival to the first step that ran the request.",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("sluice_requests", "Finished requests.", ["api", "finish_reason"], registry=r)
+        self.completion_tokens = Counter("sluice_request_completion_tokens", "Completion tokens of finished requests.",
+                                         ["api"], registry=r)
+        self.errors = Counter("sluice_errors", "Error replies sent, by PROTOCOL.md code.", ["code"], registry=r)
+        self.websocket_connections = Gauge("sluice_websocket_connections", "Open WebSocket connections.",
+                                           registry=r)
+        r.register(_EngineCollector(engine_stats))
+
+    def observe_first_token(self, queue_s: float, ttft_s: float) -> None:
+        self.queue.observe(queue_s)
+        self.ttft.observe(ttft_s)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_finish(self, handle: Any, finish_reason: str) -> None:
+        """Every request ends here once; e2e latency only for those that produced tokens."""
+        self.requests.labels(handle.api, finish_reason).inc()
+        self.completion_tokens.labels(handle.api).inc(handle.completion_tokens)
+        if handle.last_token_at is not None:
+            self.e2e.observe(handle.last_token_at - handle.arrival)
+
+    def observe_error(self, code: str) -> None:
+        self.errors.labels(code).inc()
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

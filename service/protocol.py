@@ -1,0 +1,180 @@
+"""Wire types of the WebSocket protocol (shared/PROTOCOL.md, version 1) as tagged msgspec Structs.
+
+Client frames are decoded by one module-level Decoder; `decode_client` never raises: a bad frame
+becomes an `Error` to send back. Unknown fields are rejected so typos do not pass silently.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Raw, Struct
+
+PROTOCOL_VERSION = 1
+
+ErrorCode = Literal[
+    "invalid_json", "invalid_message", "duplicate_id", "unknown_id", "prompt_too_long",
+    "too_many_inflight", "overloaded", "unauthorized", "internal",
+]
+FinishReason = Literal["stop", "length", "cancelled"]
+
+ChatId = Annotated[str, Meta(min_length=1, max_length=64)]
+StopString = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
+class _In(Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True, frozen=True):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Hello(_In, tag="hello"):
+    api_key: str
+
+
+class Chat(_In, tag="chat"):
+    id: ChatId
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: Annotated[list[StopString], Meta(max_length=16)] | None = None
+    ignore_eos: bool | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The sampling fields the client set (`SamplingParams` keyword arguments), max_tokens excluded."""
+        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed", "stop", "ignore_eos")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+class Cancel(_In, tag="cancel"):
+    id: ChatId
+
+
+class Ping(_In, tag="ping"):
+    data: Raw = Raw(b"null")  # echoed byte for byte, never parsed
+
+
+class StatsRequest(_In, tag="stats"):
+    pass
+
+
+ClientMessage = Hello | Chat | Cancel | Ping | StatsRequest
+
+
+class _Out(Struct, tag_field="type", frozen=True):
+    pass
+
+
+class Ready(_Out, tag="ready"):
+    model: str
+    max_model_len: int
+    max_inflight: int
+    protocol: int = PROTOCOL_VERSION
+
+
+class Start(_Out, tag="start"):
+    id: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class Delta(_Out, tag="delta"):
+    id: str
+    text: str
+    tokens: int
+
+
+class Usage(Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Timing(Struct, frozen=True):
+    queue_ms: float
+    ttft_ms: float | None  # None when the chat ended before its first token
+    total_ms: float
+
+
+class Done(_Out, tag="done"):
+    id: str
+    finish_reason: FinishReason
+    usage: Usage
+    timing: Timing
+
+
+class Error(_Out, tag="error"):
+    code: ErrorCode
+    message: str
+    id: str | None = None
+
+
+class Pong(_Out, tag="pong"):
+    data: Raw
+
+
+class Stats(_Out, tag="stats"):
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+    prompt_tokens_computed: int
+    generation_tokens: int
+    generation_tokens_per_s: float
+    connections: int
+    requests_in_flight: int
+
+
+ServerMessage = Ready | Start | Delta | Done | Error | Pong | Stats
+
+_decoder = msgspec.json.Decoder(ClientMessage)
+_encoder = msgspec.json.Encoder()
+
+
+def decode_client(frame: str | bytes) -> ClientMessage | Error:
+    """Parse one client frame. Malformed JSON -> `invalid_json`; valid JSON of the wrong shape -> `invalid_message`."""
+    try:
+        return _decoder.decode(frame)
+    except msgspec.ValidationError as e:
+        return Error(code="invalid_message", message=f"{e}. See PROTOCOL.md for the message schema.",
+                     id=_chat_id_of(frame))
+    except msgspec.DecodeError as e:
+        return Error(code="invalid_json", message=f"frame is not valid JSON: {e}")
+
+
+def _chat_id_of(frame: str | bytes) -> str | None:
+    """The `id` of an invalid `chat` frame, when it has a well-formed one, so the client can match the error."""
+    try:
+        obj = msgspec.json.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(obj, dict) and obj.get("type") == "chat":
+        cid = obj.get("id")
+        if isinstance(cid, str) and 1 <= len(cid) <= 64:
+            return cid
+    return None
+
+
+def encode(msg: ServerMessage) -> str:
+    """One text frame. WebSocket text frames carry `str`, hence the decode of msgspec's UTF-8 bytes."""
+    return _encoder.encode(msg).decode()

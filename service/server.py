@@ -1,0 +1,71 @@
+"""Runs the app under uvicorn (uvloop, the `websockets` implementation) with Sluice's shutdown order.
+
+SIGTERM/SIGINT: stop accepting, drain (in-flight chats finish, bounded), close sockets 1001, exit 0.
+An engine that dies makes the process exit 1, so a supervisor restarts it instead of serving 503s.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import warnings
+from types import FrameType
+
+import uvicorn
+
+from service.app import Service, build_app
+from service.config import ServerConfig
+
+log = logging.getLogger("sluice.server")
+
+
+class SluiceServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+        self.graceful_timeout = 0.0
+        self.exit_code = 0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # NOTE: not recording the signal on purpose: uvicorn re-raises recorded signals once it has
+        # shut down, which would turn a clean drain into "killed by SIGTERM" (exit status 143).
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.service.bridge.fatal is not None:
+            self.exit_code = 1
+            return True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in getattr(self, "servers", []):
+            server.close()  # stop accepting before the drain, not after it
+        if not self.force_exit and self.service.bridge.fatal is None:
+            await self.service.drain(self.graceful_timeout, give_up=lambda: self.force_exit)
+        await super().shutdown(sockets)
+
+
+def serve(config: ServerConfig) -> int:
+    """Build the app, serve until signalled; returns the process exit status."""
+    try:
+        app = build_app(config)
+    except ValueError as e:  # e.g. an EngineConfig range
+        log.error("invalid configuration: %s", e)
+        return 2
+    # The legacy `websockets` protocol is the one DESIGN §9 names; uvicorn merely warns it will move.
+    warnings.filterwarnings("ignore", message=".*`websockets` implementation is deprecated.*")
+    ucfg = uvicorn.Config(
+        app, host=config.host, port=config.port, loop="uvloop", ws="websockets",
+        ws_per_message_deflate=False,  # compression costs CPU per token frame and enables zip-bomb frames
+        ws_max_size=config.max_message_bytes, lifespan="on", log_level=config.log_level,
+        timeout_graceful_shutdown=2,  # after our own drain only the last bytes of HTTP responses remain
+    )
+    server = SluiceServer(ucfg, app.state.service)
+    server.graceful_timeout = config.timeout_graceful_shutdown
+    server.run()
+    if server.exit_code:
+        log.error("exiting: %s", app.state.service.bridge.fatal)
+    return server.exit_code

@@ -1,0 +1,215 @@
+"""IncrementalDetokenizer on the tiny model's byte-level BPE tokenizer: deltas add up to the full decode,
+never split a UTF-8 character, and never show any part of a matched stop string; plus stop strings end to end."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+
+PROMPT = "Hello world, "
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tok) -> list[int]:
+    return tok(PROMPT, add_special_tokens=False)["input_ids"]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are written in."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+@pytest.fixture(scope="module")
+def byte_ids(tok) -> list[int]:
+    """byte_ids[b]: the token that is exactly byte b."""
+    ids = [tok.convert_tokens_to_ids(c) for c in _bytes_to_unicode().values()]
+    table = dict(zip(_bytes_to_unicode(), ids))
+    assert all(isinstance(i, int) for i in ids) and len(set(ids)) == 256
+    return [table[b] for b in range(256)]
+
+
+def decode(tok, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], int | None]:
+    """Feeds `ids` as the engine does; returns the deltas and the index of the token that matched a stop."""
+    deltas = []
+    for i, t in enumerate(ids):
+        if detok.add_token(t):
+            deltas.append(detok.delta(True))
+            return deltas, i
+        deltas.append(detok.delta(False))
+    detok.flush()
+    deltas.append(detok.delta(True))
+    return deltas, None
+
+
+def by_bytes(byte_ids: list[int], text: str) -> list[int]:
+    return [byte_ids[b] for b in text.encode()]
+
+
+# -- no stop strings: the deltas are the decode ------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(ids=st.lists(st.integers(0, 1023), max_size=40))
+def test_deltas_concatenate_to_the_full_decode(tok, prompt_ids, ids):
+    deltas, stopped = stream(IncrementalDetokenizer(tok, prompt_ids, []), ids)
+    assert stopped is None
+    assert "".join(deltas) == decode(tok, ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), max_size=12))
+def test_valid_utf8_is_never_split(tok, prompt_ids, byte_ids, text):
+    for ids in (by_bytes(byte_ids, text), tok(text, add_special_tokens=False)["input_ids"]):
+        deltas, _ = stream(IncrementalDetokenizer(tok, prompt_ids, []), ids)
+        assert all("\ufffd" not in d for d in deltas), deltas
+        assert "".join(deltas) == text
+
+
+def test_emoji_and_cjk_fed_one_token_at_a_time(tok, prompt_ids, byte_ids):
+    text = "héllo 😀 世界"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text)  # the multi-byte characters really are split across tokens
+    deltas, _ = stream(IncrementalDetokenizer(tok, prompt_ids, []), ids)
+    assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == text
+
+    deltas, _ = stream(IncrementalDetokenizer(tok, prompt_ids, []), by_bytes(byte_ids, "😀世"))
+    assert deltas == ["", "", "", "😀", "", "", "世", ""]  # a character appears with its last byte
+
+
+def test_a_truncated_character_comes_out_at_the_end(tok, prompt_ids, byte_ids):
+    ids = by_bytes(byte_ids, "ok 😀")[:-1]  # generation stopped mid-character (max_tokens)
+    deltas, _ = stream(IncrementalDetokenizer(tok, prompt_ids, []), ids)
+    assert deltas[:3] == ["o", "k", " "] and "".join(deltas) == decode(tok, ids)
+
+
+def test_special_tokens_are_not_shown(tok, prompt_ids, byte_ids):
+    ids = [*by_bytes(byte_ids, "a"), 0, 1, *by_bytes(byte_ids, "b")]
+    deltas, _ = stream(IncrementalDetokenizer(tok, prompt_ids, []), ids)
+    assert "".join(deltas) == "ab"
+
+
+# -- stop strings ------------------------------------------------------------------------------
+
+
+def expected_stop(text: str, stops: list[str]) -> str | None:
+    """The text an engine growing `text` one character at a time shows: cut at the first stop to complete."""
+    for end in range(1, len(text) + 1):
+        hits = [i for s in stops if (i := text.find(s, 0, end)) >= 0]
+        if hits:
+            return text[: min(hits)]
+    return None
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    text=st.text("ab c世", max_size=24),
+    stops=st.lists(st.text("ab c世", min_size=1, max_size=4), min_size=1, max_size=3),
+)
+def test_stop_strings_never_leak(tok, prompt_ids, byte_ids, text, stops):
+    ids = by_bytes(byte_ids, text)
+    detok = IncrementalDetokenizer(tok, prompt_ids, stops)
+    want = expected_stop(text, stops)
+    final = text if want is None else want
+    shown = ""
+    for i, t in enumerate(ids):
+        matched = detok.add_token(t)
+        shown += detok.delta(matched)
+        assert final.startswith(shown), f"showed {shown!r}, but the final text is {final!r}"
+        if matched:
+            break
+    else:
+        assert want is None, f"missed a stop string: {stops} in {text!r}"
+        detok.flush()
+        shown += detok.delta(True)
+    assert shown == final
+    assert not any(s in shown for s in stops)
+
+
+def test_stop_string_spanning_tokens_is_held_back_then_cut(tok, prompt_ids, byte_ids):
+    detok = IncrementalDetokenizer(tok, prompt_ids, ["STOP"])
+    shown = []
+    for t in by_bytes(byte_ids, "go STO"):
+        assert not detok.add_token(t)
+        shown.append(detok.delta(False))
+    assert shown == ["g", "o", " ", "", "", ""]  # "S", "ST", "STO" could begin the stop: held back
+    assert detok.add_token(byte_ids[ord("P")])
+    assert detok.delta(True) == "" and detok.text == "go "
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop(tok, prompt_ids, byte_ids):
+    ids = by_bytes(byte_ids, "STx世y世界")
+    deltas, stopped = stream(IncrementalDetokenizer(tok, prompt_ids, ["STOP", "世界"]), ids)
+    assert stopped == len(ids) - 1
+    #                  S   T   x      世 (3 bytes)   y      世 (3 bytes)  界 (3 bytes, matches)
+    assert deltas == ["", "", "STx", "", "", "", "世y", "", "", "", "", "", ""]
+
+
+def test_held_back_text_is_released_at_the_end(tok, prompt_ids, byte_ids):
+    detok = IncrementalDetokenizer(tok, prompt_ids, ["STOP"])
+    deltas, stopped = stream(detok, by_bytes(byte_ids, "abST"))
+    assert stopped is None and deltas == ["a", "b", "", "", "ST"]
+
+
+def test_stop_string_inside_one_token(tok, prompt_ids):
+    ids = tok(" hello world", add_special_tokens=False)["input_ids"]
+    deltas, stopped = stream(IncrementalDetokenizer(tok, prompt_ids, ["llo"]), ids)
+    assert stopped is not None and "".join(deltas) == " he"
+
+
+def test_earliest_stop_wins(tok, prompt_ids, byte_ids):
+    deltas, stopped = stream(IncrementalDetokenizer(tok, prompt_ids, ["cd", "bcd"]), by_bytes(byte_ids, "abcdef"))
+    assert stopped == 3 and "".join(deltas) == "a"
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=512, max_model_len=1024))
+
+
+def test_engine_stop_string(eng):
+    prompt = "Hello world, the model streams"
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    full = eng.generate([prompt], greedy)[0]
+    # a printable 3-character piece from the middle of the greedy text
+    start = next(i for i in range(len(full.text) // 3, len(full.text) - 3) if full.text[i : i + 3].isprintable()
+                 and "\ufffd" not in full.text[i : i + 3])
+    stop = full.text[start : start + 3]
+    cut = full.text.find(stop)
+    p = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, stop=[stop])
+    # streamed: no delta may show any of the stop string
+    eng.add_request("s", prompt, p)
+    deltas, last = [], None
+    while eng.has_unfinished():
+        for o in eng.step():
+            deltas.append(o.text_delta)
+            last = o
+    assert last.finished and last.finish_reason == "stop"
+    assert "".join(deltas) == full.text[:cut]
+    assert stop not in "".join(deltas)
+    out = eng.generate([prompt], p)[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:cut]
+    assert full.token_ids[: len(out.token_ids)] == out.token_ids and len(out.token_ids) < 32

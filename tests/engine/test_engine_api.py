@@ -1,0 +1,273 @@
+"""LLMEngine's public surface (DESIGN §3, §6): validation at add_request, abort at any stage, stats keys,
+generate over text and token prompts, and step outputs only for requests that advanced."""
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+MAX_LEN = 256
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+STATS_KEYS = {"num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "kv_usage", "prefix_cache_queries",
+              "prefix_cache_hits", "num_preemptions", "num_steps", "prompt_tokens_computed", "generation_tokens"}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> LLMEngine:
+    # a small budget, so a 200-token prompt takes several steps to prefill
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=MAX_LEN,
+                                  max_num_batched_tokens=32, max_num_seqs=4))
+
+
+@pytest.fixture
+def eng(engine):
+    """The shared engine; every test must leave it idle, consistent and with its whole pool free."""
+    yield engine
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+    assert engine.stats()["num_free_kv_blocks"] == engine.stats()["num_kv_blocks"]
+
+
+_n = iter(range(10**9))
+
+
+def prompt(n: int) -> list[int]:
+    """A fresh prompt of n token ids, unlike any other (so the prefix cache never interferes)."""
+    base = next(_n)
+    return [3 + (base * 7919 + i * 31) % 1000 for i in range(n)]
+
+
+def drain(eng: LLMEngine, max_steps: int = 500) -> list:
+    outs = []
+    for _ in range(max_steps):
+        if not eng.has_unfinished():
+            return outs
+        outs += eng.step()
+    raise AssertionError("engine did not drain")
+
+
+# -- validation at add_request ------------------------------------------------------------------
+
+
+def test_prompt_longer_than_max_model_len_is_rejected(eng):
+    with pytest.raises(ValueError, match=rf"{MAX_LEN + 1}.*{MAX_LEN}"):
+        eng.add_request("long", prompt(MAX_LEN + 1), GREEDY)
+    text = "😀 世界 " * 100
+    n = len(eng.tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert n > MAX_LEN
+    with pytest.raises(ValueError, match=rf"{n}.*{MAX_LEN}"):
+        eng.add_request("long", text, GREEDY)  # text: counted in tokens
+    assert not eng.has_unfinished()
+    eng.add_request("long", prompt(4), GREEDY)  # the id was not taken by the failed attempts
+    drain(eng)
+
+
+def test_prompt_with_no_room_to_generate_is_rejected(eng):
+    with pytest.raises(ValueError, match=rf"{MAX_LEN}.*room"):
+        eng.add_request("full", prompt(MAX_LEN), GREEDY)
+    assert not eng.has_unfinished()
+
+
+def test_prompt_near_the_limit_is_cut_by_length(eng):
+    out = eng.generate([prompt(MAX_LEN - 3)], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("bad", [[], [0, 1024], [-1, 5]])
+def test_empty_or_out_of_vocab_prompt_is_rejected(eng, bad):
+    with pytest.raises(ValueError):
+        eng.add_request("bad", bad, GREEDY)
+
+
+def test_duplicate_request_id_is_rejected(eng):
+    eng.add_request("dup", prompt(5), GREEDY)
+    with pytest.raises(ValueError, match="dup"):
+        eng.add_request("dup", prompt(5), GREEDY)
+    outs = drain(eng)
+    assert [o.request_id for o in outs if o.finished] == ["dup"]  # the first one is undisturbed
+    assert sum(len(o.new_token_ids) for o in outs) == 8
+    eng.add_request("dup", prompt(5), GREEDY)  # a finished id may be used again
+    drain(eng)
+
+
+# -- abort ----------------------------------------------------------------------------------------
+
+
+def _abort_checked(eng: LLMEngine, rid: str) -> None:
+    eng.abort(rid)
+    outs = eng.step()
+    mine = [o for o in outs if o.request_id == rid]
+    assert len(mine) == 1
+    assert mine[0].finished and mine[0].finish_reason == "abort" and mine[0].new_token_ids == []
+    s = eng.stats()
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["kv_usage"] == 0.0
+    assert s["num_running"] == 0 and s["num_waiting"] == 0
+    assert not eng.has_unfinished() and eng.step() == []  # reported once, then gone
+    eng.abort(rid)  # a second abort is harmless too
+    assert eng.step() == []
+
+
+def test_abort_mid_prefill_frees_the_blocks(eng):
+    eng.add_request("pre", prompt(200), GREEDY)  # 200 tokens, 32 a step
+    for _ in range(3):
+        assert eng.step() == []  # no token yet: nothing to report
+    req = eng.requests["pre"]
+    assert 0 < req.num_computed_tokens < req.num_prompt_tokens
+    assert eng.stats()["num_free_kv_blocks"] < eng.stats()["num_kv_blocks"]
+    _abort_checked(eng, "pre")
+
+
+def test_abort_mid_decode_frees_the_blocks(eng):
+    eng.add_request("dec", prompt(20), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    got = []
+    while len(got) < 3:
+        got += [t for o in eng.step() for t in o.new_token_ids]
+    assert eng.stats()["num_free_kv_blocks"] < eng.stats()["num_kv_blocks"]
+    _abort_checked(eng, "dec")
+
+
+def test_abort_while_waiting(eng):
+    p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i in range(5):  # max_num_seqs=4: the last one waits
+        eng.add_request(f"w{i}", prompt(10), p)
+    eng.step()
+    assert eng.stats()["num_waiting"] == 1 and eng.requests["w4"].num_computed_tokens == 0
+    eng.abort("w4")
+    outs = drain(eng)
+    by_id = {}
+    for o in outs:
+        by_id.setdefault(o.request_id, []).append(o)
+    assert [o.finish_reason for o in by_id["w4"]] == ["abort"]
+    assert all(by_id[f"w{i}"][-1].finish_reason == "length" for i in range(4))
+
+
+def test_abort_leaves_other_requests_alone(eng):
+    p1, p2 = prompt(20), prompt(30)
+    alone = eng.generate([p1], GREEDY)[0].token_ids
+    eng.add_request("keep", p1, GREEDY)
+    eng.add_request("drop", p2, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    outs = []
+    for _ in range(3):
+        outs += eng.step()
+    eng.abort("drop")
+    outs += drain(eng)
+    assert [t for o in outs if o.request_id == "keep" for t in o.new_token_ids] == alone
+    keep = [o for o in outs if o.request_id == "keep"]
+    assert keep[-1].finished and keep[-1].finish_reason == "length"
+
+
+def test_abort_unknown_id_is_harmless(eng):
+    eng.abort("never-added")
+    assert eng.step() == [] and not eng.has_unfinished()
+    eng.add_request("x", prompt(5), GREEDY)
+    eng.abort("y")
+    outs = drain(eng)
+    assert {o.request_id for o in outs} == {"x"} and outs[-1].finish_reason == "length"
+    eng.abort("x")  # already finished
+    assert eng.step() == []
+
+
+# -- stats ----------------------------------------------------------------------------------------
+
+
+def test_stats_keys_and_counters(eng):
+    s0 = eng.stats()
+    assert STATS_KEYS <= set(s0)
+    assert all(isinstance(v, (int, float)) for v in s0.values())
+    assert s0["num_kv_blocks"] == 64 and 0.0 <= s0["kv_usage"] <= 1.0
+
+    p = prompt(40)
+    first = eng.generate([p], GREEDY)[0]
+    s1 = eng.stats()
+    assert first.num_prompt_tokens == 40 and first.num_cached_tokens == 0
+    assert s1["prompt_tokens_computed"] - s0["prompt_tokens_computed"] == 40
+    assert s1["generation_tokens"] - s0["generation_tokens"] == 8
+    assert s1["prefix_cache_queries"] - s0["prefix_cache_queries"] == 40
+    assert s1["prefix_cache_hits"] == s0["prefix_cache_hits"]
+    assert s1["num_steps"] - s0["num_steps"] == 2 + 7  # 40 prompt tokens at 32 a step, then 7 decodes
+
+    again = eng.generate([p], GREEDY)[0]
+    s2 = eng.stats()
+    assert again.token_ids == first.token_ids
+    assert again.num_cached_tokens == 32  # two full 16-token blocks; the last token is always recomputed
+    assert s2["prefix_cache_hits"] - s1["prefix_cache_hits"] == 32
+    assert s2["prompt_tokens_computed"] - s1["prompt_tokens_computed"] == 8
+
+    eng.add_request("busy", prompt(10), GREEDY)
+    eng.step()
+    s3 = eng.stats()
+    assert s3["num_running"] == 1 and s3["num_waiting"] == 0 and s3["kv_usage"] > 0
+    drain(eng)
+
+
+# -- generate ---------------------------------------------------------------------------------------
+
+
+def test_generate_text_and_token_prompts_agree(eng):
+    texts = ["Hello world, the model", "café 日本語 😀", "a"]
+    ids = [eng.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    by_text = eng.generate(texts, GREEDY)
+    by_ids = eng.generate(ids, GREEDY)
+    for t, i, a, b in zip(texts, ids, by_text, by_ids):
+        assert a.token_ids == b.token_ids and a.text == b.text and len(a.token_ids) == 8
+        assert a.num_prompt_tokens == b.num_prompt_tokens == len(i)
+        assert a.finish_reason == b.finish_reason == "length"
+    assert by_text[0].token_ids != by_text[2].token_ids  # the outputs belong to their own prompts
+
+
+def test_generate_with_per_prompt_params(eng):
+    outs = eng.generate([prompt(5), prompt(5)], [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                                                 SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [2, 5]
+
+
+def test_generate_rejects_a_bad_prompt_without_leaving_orphans(eng):
+    with pytest.raises(ValueError):
+        eng.generate([prompt(5), prompt(MAX_LEN + 1)], GREEDY)
+    orphaned = eng.has_unfinished()
+    drain(eng)  # keep the shared engine clean for the next tests either way
+    assert not orphaned, "the valid prompt before the bad one was left running, its output unreachable"
+
+
+def test_generate_rejects_mismatched_params(eng, monkeypatch):
+    real_step, calls = eng.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) > 100:
+            raise RuntimeError("generate() keeps stepping an engine with nothing left to do")
+        return real_step()
+
+    monkeypatch.setattr(eng, "step", step)
+    try:
+        with pytest.raises(ValueError):
+            eng.generate([prompt(5), prompt(5), prompt(5)], [GREEDY, GREEDY])
+    finally:
+        monkeypatch.undo()
+        drain(eng)
+
+
+# -- step outputs --------------------------------------------------------------------------------
+
+
+def test_step_outputs_only_for_requests_that_advanced(eng):
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.add_request("long", prompt(100), p)  # prefilled in 32-token chunks: silent for several steps
+    eng.add_request("short", prompt(3), p)
+    for i in range(4):
+        eng.add_request(f"queued{i}", prompt(4), p)  # max_num_seqs=4: some wait
+    seen_silent = set()
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        before = {rid: r.num_tokens for rid, r in eng.requests.items()}
+        outs = eng.step()
+        ids = [o.request_id for o in outs]
+        assert len(ids) == len(set(ids)), "one output per request per step"
+        advanced = {rid for rid, n in before.items() if rid not in eng.requests or eng.requests[rid].num_tokens > n}
+        assert set(ids) == advanced
+        for o in outs:
+            assert len(o.new_token_ids) == 1
+        seen_silent |= set(before) - advanced
+    assert not eng.has_unfinished()
+    assert {"long", "queued3"} <= seen_silent  # the test did see requests that had to stay quiet

@@ -1,0 +1,296 @@
+"""Sampling on the tiny model: seeds independent of the batch, greedy equivalences, penalties, top-k/top-p/
+min-p support, logprobs against a recomputation, and the stop conditions (stop ids, length, EOS)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.request import Request
+from engine.sampler import apply_penalties, filter_logits
+
+N = 16  # new tokens per request: enough to see divergence, cheap on 2 cores
+PROMPT = "Hello world, the model streams tokens to the chat"
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=512, max_model_len=1024))
+
+
+def greedy(n: int = N, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def ref_out(eng):
+    """PROMPT's greedy completion, generated alone."""
+    out = eng.generate([PROMPT], greedy())[0]
+    assert len(out.token_ids) == N and out.finish_reason == "length"
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(ref_out) -> list[int]:
+    return ref_out.token_ids
+
+
+# -- seeds, greedy, determinism -----------------------------------------------------------------
+
+SEEDED = SamplingParams(max_tokens=N, temperature=0.9, top_p=0.95, top_k=200, seed=1234, ignore_eos=True)
+SEEDED_PLAIN = SamplingParams(max_tokens=N, temperature=1.3, seed=99, ignore_eos=True)  # no filters at all
+
+
+def crowd(i: int) -> SamplingParams:
+    """Batch mates with every kind of parameter, so their rows take every path of the sampler."""
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=1.0),
+        dict(temperature=0.7, seed=1234 + i),
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=1.0, top_p=0.5),
+        dict(temperature=1.0, min_p=0.3),
+        dict(temperature=0.5, repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.5),
+        dict(temperature=1.0, top_k=1, logprobs=3),
+    ]
+    return SamplingParams(max_tokens=N // 2 + i, ignore_eos=True, **kinds[i % len(kinds)])
+
+
+def test_seeded_sampling_is_identical_alone_and_in_a_crowded_batch(eng, ref):
+    alone = eng.generate([PROMPT], SEEDED)[0].token_ids
+    assert eng.generate([PROMPT], SEEDED)[0].token_ids == alone  # a seed replays
+    alone_plain = eng.generate([PROMPT], SEEDED_PLAIN)[0].token_ids
+    assert alone != ref and alone_plain != ref  # really sampled, not greedy
+
+    prompts = [f"{PROMPT} {i} " * (1 + i % 3) for i in range(16)]
+    params = [crowd(i) for i in range(16)]
+    outs = eng.generate(prompts[:8] + [PROMPT] + prompts[8:] + [PROMPT, PROMPT],
+                        params[:8] + [SEEDED] + params[8:] + [SEEDED_PLAIN, greedy()])
+    assert outs[8].token_ids == alone
+    assert outs[17].token_ids == alone_plain
+    assert outs[18].token_ids == ref  # greedy is batch-independent too
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_top_k_1_equals_greedy(eng, ref):
+    params = [SamplingParams(max_tokens=N, temperature=t, top_k=1, ignore_eos=True) for t in (0.5, 1.0, 2.0)]
+    outs = eng.generate([PROMPT] * 3, params)
+    assert all(o.token_ids == ref for o in outs)
+
+
+def test_temperature_0_is_deterministic(eng, ref):
+    outs = eng.generate([PROMPT, PROMPT], [greedy(), greedy(top_p=0.3, top_k=7, seed=5)])  # filters don't matter at t=0
+    assert outs[0].token_ids == ref and outs[1].token_ids == ref
+
+
+def test_different_seeds_differ(eng):
+    params = [SamplingParams(max_tokens=N, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 1)]
+    outs = eng.generate([PROMPT] * 3, params)
+    assert outs[0].token_ids != outs[1].token_ids
+    assert outs[0].token_ids == outs[2].token_ids
+
+
+def test_unseeded_requests_do_not_all_draw_the_same(eng):
+    outs = eng.generate([PROMPT] * 2, SamplingParams(max_tokens=N, temperature=1.0, ignore_eos=True))
+    assert outs[0].token_ids != outs[1].token_ids
+
+
+# -- penalties -----------------------------------------------------------------------------------
+
+
+def test_penalties_change_a_repetitive_greedy_output(eng):
+    prompt = [300, 301, 302, 303] * 12  # a loop the model is invited to continue
+    runs = eng.generate([prompt] * 4, [greedy(32), greedy(32, repetition_penalty=2.0),
+                                       greedy(32, presence_penalty=2.0), greedy(32, frequency_penalty=2.0)])
+    base, rep, pres, freq = (o.token_ids for o in runs)
+    assert rep != base and pres != base and freq != base
+    # a repetition penalty pushes away from the prompt's tokens too; presence keeps the output diverse
+    assert sum(t in (300, 301, 302, 303) for t in rep) <= sum(t in (300, 301, 302, 303) for t in base)
+    assert len(set(pres)) >= len(set(base))
+
+
+def _req(prompt: list[int], output: list[int], **kw) -> Request:
+    r = Request("r", prompt, SamplingParams(**kw), 16)
+    r.token_ids += output
+    return r
+
+
+def test_apply_penalties_on_handcrafted_logits():
+    base = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 0.0, 1.0, -0.5])
+    prompt, output = [0, 1], [3, 3, 4]
+    cases = [
+        (dict(repetition_penalty=2.0), [1.0, -2.0, 0.5, 1.5, -4.0, 0.0, 1.0, -0.5]),  # prompt + output tokens
+        (dict(presence_penalty=0.5), [2.0, -1.0, 0.5, 2.5, -2.5, 0.0, 1.0, -0.5]),  # output tokens, once
+        (dict(frequency_penalty=0.25), [2.0, -1.0, 0.5, 2.5, -2.25, 0.0, 1.0, -0.5]),  # per occurrence
+        (dict(presence_penalty=-1.0), [2.0, -1.0, 0.5, 4.0, -1.0, 0.0, 1.0, -0.5]),  # negative rewards
+        (dict(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+         [1.0, -2.0, 0.5, 0.5, -4.75, 0.0, 1.0, -0.5]),
+        (dict(), base.tolist()),
+    ]
+    reqs = [_req(prompt, output, **kw) for kw, _ in cases]
+    logits = base.repeat(len(cases), 1)
+    apply_penalties(logits, reqs)
+    for row, (kw, want) in zip(logits, cases):
+        assert row.tolist() == pytest.approx(want), kw
+
+
+def test_presence_and_frequency_ignore_the_prompt():
+    logits = torch.zeros(1, 6)
+    apply_penalties(logits, [_req([1, 2, 3], [], presence_penalty=1.0, frequency_penalty=1.0)])
+    assert logits.tolist() == [[0.0] * 6]
+
+
+# -- top-k / top-p / min-p support ---------------------------------------------------------------
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+
+
+def _support(logits: torch.Tensor, top_k=0, top_p=1.0, min_p=0.0) -> set[int]:
+    out = filter_logits(logits[None], torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))[0]
+    finite = torch.isfinite(out)
+    assert torch.equal(out[finite], logits[finite]), "surviving logits must be untouched"
+    return set(finite.nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize(
+    "kw, support",
+    [
+        (dict(), {0, 1, 2, 3}),
+        (dict(top_k=1), {0}),
+        (dict(top_k=2), {0, 1}),
+        (dict(top_k=10), {0, 1, 2, 3}),
+        (dict(top_p=0.1), {0}),
+        (dict(top_p=0.75), {0, 1}),  # the smallest set whose mass reaches top_p
+        (dict(top_p=0.85), {0, 1, 2}),
+        (dict(top_p=0.99), {0, 1, 2, 3}),
+        (dict(min_p=0.2), {0, 1, 2}),  # keep p >= 0.2 * 0.5
+        (dict(min_p=0.5), {0, 1}),
+        (dict(min_p=0.7), {0}),
+        (dict(top_k=3, top_p=0.7), {0, 1}),
+        (dict(top_k=2, min_p=0.01), {0, 1}),
+        (dict(top_p=0.9, min_p=0.4), {0, 1}),
+    ],
+)
+def test_filter_logits_support(kw, support):
+    logits = torch.tensor(PROBS).log() + 1.7  # softmax is shift invariant
+    assert _support(logits, **kw) == support
+    assert _support(logits[[2, 0, 3, 1]], **kw) == {[2, 0, 3, 1].index(i) for i in support}  # by value, not position
+
+
+@settings(max_examples=60, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.floats(-30, 30, allow_nan=False, width=32), min_size=16, max_size=16),
+            st.sampled_from([0, 0, 1, 3, 8]),
+            st.sampled_from([1.0, 1.0, 0.9, 0.5, 0.1]),
+            st.sampled_from([0.0, 0.0, 0.05, 0.5]),
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_filter_logits_rows_do_not_depend_on_their_batch_mates(rows):
+    """A request's samples must not depend on what else is in the batch (issue #2), so neither may its mask."""
+    logits = torch.tensor([r[0] for r in rows])
+    top_k, top_p, min_p = (torch.tensor([r[i] for r in rows]) for i in (1, 2, 3))
+    batched = filter_logits(logits, top_k, top_p, min_p)
+    for i in range(len(rows)):
+        alone = filter_logits(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], min_p[i : i + 1])[0]
+        assert torch.equal(torch.isfinite(batched[i]), torch.isfinite(alone)), f"row {i} {rows[i][1:]}"
+        assert torch.isfinite(batched[i]).any()
+        if rows[i][1:] == (0, 1.0, 0.0):
+            assert torch.equal(batched[i], logits[i]), "a row with every filter off must be left alone"
+
+
+def test_filter_off_keeps_even_very_unlikely_tokens_next_to_a_filtering_row():
+    logits = torch.tensor([[0.0, -40.0, -40.0, -40.0], [0.0, -1.0, -2.0, -3.0]])
+    out = filter_logits(logits, torch.tensor([0, 2]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0]))
+    assert torch.equal(out[0], logits[0]), "top_p=1.0 means off: a nonzero-probability token may still be drawn"
+    assert torch.isfinite(out[1]).tolist() == [True, True, False, False]
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)  # (T, V)
+
+
+def test_logprobs(eng, ref_out, hf_model):
+    ref = ref_out.token_ids
+    prompt_ids = eng.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    k = 5
+    g, s, z, p = eng.generate(
+        [PROMPT] * 4,
+        [greedy(logprobs=k),
+         SamplingParams(max_tokens=N, temperature=1.5, seed=3, logprobs=k, ignore_eos=True),
+         greedy(logprobs=0),
+         greedy(logprobs=2, repetition_penalty=1.5)],
+    )
+    assert g.token_ids == ref
+    for out, n_top in ((g, k), (s, k), (z, 0), (p, 2)):
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == N
+        lp_all = _hf_logprobs(hf_model, prompt_ids + out.token_ids[:-1])[len(prompt_ids) - 1 :]  # (N, V)
+        for step, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert lp.token_id == tok
+            assert lp.logprob <= 0.0
+            assert len(lp.top) == n_top
+            values = [v for _, v in lp.top]
+            assert values == sorted(values, reverse=True)
+            # the raw distribution (before penalties / temperature), recomputed by transformers
+            assert lp.logprob == pytest.approx(lp_all[step, tok].item(), abs=1e-3)
+            want_top = lp_all[step].topk(max(n_top, 1))
+            assert [v for _, v in lp.top] == pytest.approx(want_top.values[:n_top].tolist(), abs=1e-3)
+            if out is g:
+                assert lp.top[0] == (tok, pytest.approx(lp.logprob))  # greedy picks the top-1 entry
+            assert sum(math.exp(v) for v in values) <= 1.0 + 1e-5
+    assert ref_out.logprobs is None  # off by default
+
+
+# -- stop conditions ------------------------------------------------------------------------------
+
+
+def _first_fresh(ids: list[int], start: int) -> int:
+    """Index of the first token at or after `start` that did not occur before it."""
+    return next(i for i in range(start, len(ids)) if ids[i] not in ids[:i])
+
+
+def test_stop_token_ids_stop_with_reason_stop(eng, ref_out):
+    ref, full = ref_out.token_ids, ref_out
+    i = _first_fresh(ref, 3)
+    unused = next(t for t in range(1023, 3, -1) if t not in ref)
+    out = eng.generate([PROMPT], greedy(stop_token_ids=[unused, ref[i]]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == ref[: i + 1]  # the stop token is reported, and nothing after it
+    assert full.text.startswith(out.text) and len(out.text) < len(full.text)
+
+
+def test_max_tokens_gives_length(eng, ref):
+    for n in (1, 5):
+        out = eng.generate([PROMPT], greedy(n))[0]
+        assert out.finish_reason == "length" and out.token_ids == ref[:n]
+
+
+def test_eos_is_respected_unless_ignore_eos(eng, ref):
+    i = _first_fresh(ref, 2)
+    saved = eng.eos_token_ids
+    try:
+        eng.eos_token_ids = {ref[i]}  # make the model's own greedy choice an EOS token
+        stopped, ignored = eng.generate([PROMPT] * 2, [SamplingParams(max_tokens=N, temperature=0.0), greedy()])
+    finally:
+        eng.eos_token_ids = saved
+    assert stopped.finish_reason == "stop" and stopped.token_ids == ref[: i + 1]
+    assert ignored.finish_reason == "length" and ignored.token_ids == ref

@@ -1,0 +1,154 @@
+"""Real `sluice serve` subprocesses on free loopback ports (embedded tiny model), plus WebSocket helpers.
+
+`main_server` is shared by the whole session; modules with special flags start their own.
+Servers run with OMP_NUM_THREADS=1: on a small shared CPU box torch's spinning worker threads
+slow every step several-fold, and the in-process reference engine uses the same setting.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 180
+# Flags of the shared server; the reference engine in test_ws.py is built from the same values.
+MAIN_ENGINE = {"num_kv_blocks": 1024, "block_size": 16, "max_model_len": 512, "max_num_batched_tokens": 256}
+MAIN_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in MAIN_ENGINE.items()] + [
+    "--max-inflight-per-connection=4", "--max-message-bytes=65536"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/ws"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
+    port = free_port()
+    log = tmp / f"serve-{port}.log"
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port), *flags],
+                            cwd=REPO, env=full_env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    server = Server(port, proc, log)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"sluice serve exited with {proc.returncode}:\n{server.log_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def main_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(tmp_path_factory.mktemp("main-server"), *MAIN_FLAGS)
+    yield server
+    code = server.stop()
+    assert code == 0, f"server exited with {code}:\n{server.log_text()[-4000:]}"
+
+
+# ---- WebSocket helpers ----------------------------------------------------------------------
+async def recv(ws: ClientConnection, timeout: float = 60.0) -> dict[str, Any]:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def send(ws: ClientConnection, **msg: Any) -> None:
+    await ws.send(json.dumps(msg))
+
+
+async def open_ws(server: Server, **kwargs: Any) -> ClientConnection:
+    """Connected and past `ready` (no API key)."""
+    ws = await connect(server.ws_url, max_size=None, **kwargs)
+    ready = await recv(ws)
+    assert ready["type"] == "ready", ready
+    return ws
+
+
+async def collect(ws: ClientConnection, ids: set[str], timeout: float = 120.0) -> dict[str, list[dict[str, Any]]]:
+    """All frames for `ids` until each has its done/error; frames for other ids fail the test."""
+    frames: dict[str, list[dict[str, Any]]] = {i: [] for i in ids}
+    open_ids = set(ids)
+    deadline = time.monotonic() + timeout
+    while open_ids:
+        msg = await recv(ws, deadline - time.monotonic())
+        assert msg.get("id") in frames, f"unexpected frame {msg}"
+        assert msg["id"] in open_ids, f"frame after the end of chat {msg['id']}: {msg}"
+        frames[msg["id"]].append(msg)
+        if msg["type"] in ("done", "error"):
+            open_ids.discard(msg["id"])
+    return frames
+
+
+def check_chat_frames(frames: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """start, delta*, done in that order; returns (text, done)."""
+    kinds = [f["type"] for f in frames]
+    assert kinds[0] == "start" and kinds[-1] == "done" and set(kinds[1:-1]) <= {"delta"}, kinds
+    text = "".join(f["text"] for f in frames if f["type"] == "delta")
+    assert sum(f["tokens"] for f in frames if f["type"] == "delta") <= frames[-1]["usage"]["completion_tokens"]
+    return text, frames[-1]
+
+
+async def wait_engine_idle(ws: ClientConnection, timeout: float = 20.0) -> dict[str, Any]:
+    """Poll `stats` until nothing runs or waits and every KV block is free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        await send(ws, type="stats")
+        stats = await recv(ws)
+        assert stats["type"] == "stats", stats
+        if (stats["num_running"] == 0 and stats["num_waiting"] == 0
+                and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]):
+            return stats
+        assert time.monotonic() < deadline, f"engine still busy: {stats}"
+        await asyncio.sleep(0.1)
+
+
+def user_chat(chat_id: str, content: str, **params: Any) -> dict[str, Any]:
+    return {"type": "chat", "id": chat_id, "messages": [{"role": "user", "content": content}], **params}

@@ -1,0 +1,156 @@
+"""The official `openai` package, unmodified, against a real server; OpenAI error shapes and statuses;
+client disconnects abort; `/metrics` parsed by prometheus_client matches the requests just made."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.service.conftest import Server, open_ws, wait_engine_idle
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
+
+
+@pytest.fixture(scope="module")
+def client(main_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{main_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models(client: openai.OpenAI, model: str) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [model] and models[0].object == "model"
+    assert client.models.retrieve  # the package's surface, unused: we do not serve /v1/models/{id}
+
+
+def test_chat_stream_equals_non_stream(client: openai.OpenAI, model: str) -> None:
+    params = dict(model=model, messages=MESSAGES, max_tokens=24, temperature=0.0)
+    full = client.chat.completions.create(**params)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens <= 24 and full.usage.prompt_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(**params, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # the second identical prompt is served from the prefix cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_logprobs_and_max_completion_tokens(client: openai.OpenAI, model: str) -> None:
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=6, temperature=0.0,
+                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert r.usage.completion_tokens == 6 and len(content) == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0.0
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-4  # greedy takes the best
+
+
+def test_completions_stream_equals_non_stream(client: openai.OpenAI, model: str) -> None:
+    params = dict(model=model, prompt="Once upon a time", max_tokens=20, temperature=0.0, seed=3)
+    full = client.completions.create(**params)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**params, stream=True) if c.choices)
+    assert streamed == full.choices[0].text and full.object == "text_completion"
+    r = client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=4, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+
+
+def test_openai_errors(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=MESSAGES, n=2)
+    assert e.value.status_code == 400 and "n=1" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "word " * 700}])
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=MESSAGES, temperature=5)
+
+
+def test_http_error_shapes(main_server: Server, model: str) -> None:
+    with httpx.Client(base_url=main_server.url) as http:
+        r = http.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = http.post("/v1/chat/completions", json={"model": model})
+        assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+        r = http.get("/v1/nothing-here")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        r = http.post("/v1/completions", content=b"x" * 70_000)  # --max-message-bytes=65536
+        assert r.status_code == 413
+
+
+def _post_and_hang_up(port: int, body: bytes, wait_s: float, stream: bool) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        path = b"/v1/chat/completions"
+        s.sendall(b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        if stream:
+            s.recv(1)
+        time.sleep(wait_s)
+
+
+def _abort_count(server: Server) -> float:
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    return sum(s.value for s in families["sluice_requests"].samples
+               if s.name == "sluice_requests_total" and s.labels["finish_reason"] == "abort")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_aborts(main_server: Server, model: str, stream: bool) -> None:
+    before = _abort_count(main_server)
+    body = httpx.Request("POST", "http://x", json={
+        "model": model, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": stream}).content
+    await asyncio.to_thread(_post_and_hang_up, main_server.port, body, 0.3, stream)
+    ws = await open_ws(main_server)
+    await wait_engine_idle(ws)
+    await ws.close()
+    assert _abort_count(main_server) == before + 1
+
+
+def _scrape(server: Server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_metrics_match_requests(main_server: Server, client: openai.OpenAI, model: str) -> None:
+    before = _scrape(main_server)
+    n, tokens = 3, 7
+    for i in range(n):
+        r = client.completions.create(model=model, prompt=f"count {i}", max_tokens=tokens,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == tokens
+    after = _scrape(main_server)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("sluice_requests_total", api="completions", finish_reason="length") == n
+    assert delta("sluice_request_completion_tokens_total", api="completions") == n * tokens
+    assert delta("sluice_generation_tokens_total") == n * tokens
+    assert delta("sluice_e2e_request_latency_seconds_count") == n
+    assert delta("sluice_time_to_first_token_seconds_count") == n
+    assert delta("sluice_queue_time_seconds_count") == n
+    assert delta("sluice_inter_token_latency_seconds_count") == n * (tokens - 1)
+    assert delta("sluice_num_steps_total") >= tokens
+    assert delta("sluice_prefix_cache_queries_total") > 0
+    assert after[("sluice_num_running", ())] == 0.0
+    assert after[("sluice_num_kv_blocks", ())] == 1024.0
+    assert ("sluice_websocket_connections", ()) in after

@@ -1,0 +1,149 @@
+"""A guarded server: API key (HTTP 401 / WebSocket 1008), allowed Origins, connection cap,
+admission queue (`overloaded` / HTTP 429), an injected step fault that fails only its request,
+and a pinned system prompt."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tests.service.conftest import Server, check_chat_frames, collect, recv, send, start_server, user_chat
+
+KEY = "s3cret-key"
+ORIGIN = "http://chat.example"
+FAULT = "__explode_here__"
+MAX_CONNECTIONS, MAX_QUEUED = 4, 2
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PINNED = "You are the pinned assistant. Be brief, be kind, and always answer in plain words." * 2
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("guarded")
+    (tmp / "system.txt").write_text(PINNED)
+    server = start_server(
+        tmp, f"--pin-system-prompt={tmp / 'system.txt'}", "--num-kv-blocks=256", "--max-model-len=512", "--max-num-seqs=1",
+        f"--max-connections={MAX_CONNECTIONS}", f"--max-queued-requests={MAX_QUEUED}",
+        f"--allowed-origins=http://other.example,{ORIGIN}", env={"SLUICE_API_KEY": KEY, "SLUICE_FAULT_INJECT": FAULT})
+    yield server
+    assert server.stop() == 0, server.log_text()[-4000:]
+
+
+async def authed(server: Server, **kwargs) -> object:
+    ws = await connect(server.ws_url, additional_headers=AUTH, **kwargs)
+    assert (await recv(ws))["type"] == "ready"
+    return ws
+
+
+def test_http_needs_the_key(guarded: Server) -> None:
+    r = httpx.get(f"{guarded.url}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{guarded.url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{guarded.url}/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(f"{guarded.url}/health").status_code == 200  # open for load balancers
+    assert httpx.get(f"{guarded.url}/metrics").status_code == 200  # and scrapers
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=KEY, max_retries=0)
+    r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=3,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("first", [user_chat("c", "hi"), {"type": "hello", "api_key": "wrong"}, None])
+async def test_websocket_without_the_key_closes_1008(guarded: Server, first: dict | None) -> None:
+    headers = {"Authorization": "Bearer wrong"} if first is None else {}
+    ws = await connect(guarded.ws_url, additional_headers=headers)
+    if first is not None:
+        await ws.send(json.dumps(first))
+    err = await recv(ws)
+    assert err["type"] == "error" and err["code"] == "unauthorized" and err["id"] is None
+    with pytest.raises(ConnectionClosed) as info:
+        await recv(ws)
+    assert info.value.rcvd.code == 1008
+
+
+async def test_websocket_with_hello_or_header(guarded: Server) -> None:
+    ws = await connect(guarded.ws_url)
+    await send(ws, type="hello", api_key=KEY)
+    assert (await recv(ws))["type"] == "ready"
+    await ws.send(json.dumps(user_chat("a", "hi", max_tokens=3)))
+    check_chat_frames((await collect(ws, {"a"}))["a"])
+    await ws.close()
+    ws = await authed(guarded)
+    await send(ws, type="ping", data=1)
+    assert await recv(ws) == {"type": "pong", "data": 1}
+    await ws.close()
+
+
+async def test_origin_allowlist(guarded: Server) -> None:
+    with pytest.raises(InvalidStatus) as info:
+        await connect(guarded.ws_url, origin="http://evil.example", additional_headers=AUTH)
+    assert info.value.response.status_code == 403
+    ws = await authed(guarded, origin=ORIGIN)
+    await ws.close()
+
+
+async def test_max_connections(guarded: Server) -> None:
+    await asyncio.sleep(0.2)  # sockets closed by earlier tests finish their close handshake
+    sockets = [await authed(guarded) for _ in range(MAX_CONNECTIONS)]
+    with pytest.raises(InvalidStatus) as info:
+        await connect(guarded.ws_url, additional_headers=AUTH)
+    assert info.value.response.status_code == 503
+    for ws in sockets:
+        await ws.close()
+
+
+async def test_overloaded_queue(guarded: Server) -> None:
+    ws = await authed(guarded)
+    await ws.send(json.dumps(user_chat("run", "hello", max_tokens=300, ignore_eos=True)))
+    assert (await recv(ws))["type"] == "start"  # runs now (--max-num-seqs=1): the queue is empty
+    waiting = [f"w{k}" for k in range(MAX_QUEUED)]
+    for i in [*waiting, "refused"]:
+        await ws.send(json.dumps(user_chat(i, "hello", max_tokens=4)))
+    err = await recv(ws)
+    while err.get("id") == "run":  # skip the running chat's deltas
+        err = await recv(ws)
+    assert err["type"] == "error" and err["code"] == "overloaded" and err["id"] == "refused", err
+    async with httpx.AsyncClient(base_url=guarded.url, headers=AUTH) as http:
+        r = await http.post("/v1/completions", json={"model": "sluice-tiny-v1", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
+    await send(ws, type="cancel", id="run")
+    frames = await collect(ws, {"run", *waiting})
+    assert frames["run"][-1]["type"] == "done" and frames["run"][-1]["finish_reason"] == "cancelled"
+    for i in waiting:  # queued, not refused: they run once there is room
+        check_chat_frames(frames[i])
+    await ws.close()
+
+
+async def test_step_fault_fails_only_its_request(guarded: Server) -> None:
+    ws = await authed(guarded)
+    await ws.send(json.dumps(user_chat("boom", f"please {FAULT} now", max_tokens=8)))
+    err = (await collect(ws, {"boom"}))["boom"][-1]
+    assert err["type"] == "error" and err["code"] == "internal" and err["id"] == "boom"
+    await ws.send(json.dumps(user_chat("fine", "and now a normal question", max_tokens=8, ignore_eos=True)))
+    text, done = check_chat_frames((await collect(ws, {"fine"}))["fine"])
+    assert done["usage"]["completion_tokens"] == 8 and text
+    await ws.close()
+    r = httpx.get(f"{guarded.url}/health")
+    assert r.status_code == 200
+
+
+async def test_pinned_system_prompt_is_cached_from_the_first_chat(guarded: Server) -> None:
+    ws = await authed(guarded)
+    await send(ws, type="chat", id="p", max_tokens=2,
+               messages=[{"role": "system", "content": PINNED}, {"role": "user", "content": "first!"}])
+    frames = (await collect(ws, {"p"}))["p"]
+    start = frames[0]
+    assert start["type"] == "start" and start["cached_tokens"] >= 16, start  # at least one full KV block
+    await send(ws, type="stats")
+    stats = await recv(ws)
+    assert stats["num_running"] == 0 and stats["num_free_kv_blocks"] < stats["num_kv_blocks"]  # pinned stay
+    await ws.close()

@@ -1,0 +1,72 @@
+"""SIGTERM mid-stream: the server stops accepting and refuses new chats, the stream in flight
+completes in full, its socket closes with 1001, and the process exits 0. An engine that cannot
+start makes the process exit 1 instead of serving 503 forever."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from tests.service.conftest import REPO, check_chat_frames, free_port, open_ws, recv, start_server, user_chat
+
+TOKENS = 150
+
+
+def _health_refused(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2):
+            return False
+    except OSError:  # connection refused (listener closed) or HTTP 503 (draining)
+        return True
+
+
+async def test_sigterm_lets_the_stream_finish_then_exits_0(tiny_model_dir, tmp_path) -> None:
+    server = start_server(tmp_path, "--num-kv-blocks=128", "--timeout-graceful-shutdown=60")
+    try:
+        ws = await open_ws(server)
+        await ws.send(json.dumps(user_chat("s", "tell me everything", max_tokens=TOKENS, ignore_eos=True)))
+        frames = [await recv(ws), await recv(ws)]
+        assert [f["type"] for f in frames] == ["start", "delta"]
+        server.proc.send_signal(signal.SIGTERM)
+
+        for _ in range(100):  # the listener closes within a tick of the signal
+            if await asyncio.to_thread(_health_refused, server.url):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("server still accepting after SIGTERM")
+        await ws.send(json.dumps(user_chat("late", "hi")))
+
+        late = None
+        while True:
+            msg = await recv(ws)
+            if msg.get("id") == "late":
+                late = msg
+                continue
+            frames.append(msg)
+            if msg["type"] in ("done", "error"):
+                break
+        _, done = check_chat_frames(frames)
+        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == TOKENS
+        assert late is not None and late["type"] == "error" and late["code"] == "overloaded"
+        with pytest.raises(ConnectionClosed) as info:
+            await recv(ws)
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1001
+        assert await asyncio.to_thread(server.proc.wait, 30) == 0, server.log_text()[-3000:]
+    finally:
+        server.stop()
+
+
+def test_engine_that_cannot_start_exits_1(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "service", "--port", str(free_port()), "--model", str(tmp_path)],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1
+    assert "engine failed" in proc.stderr and str(tmp_path) in proc.stderr
