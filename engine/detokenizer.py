@@ -17,6 +17,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.stop = stop
         self.max_stop = max((len(s) for s in stop), default=0)
+        self.first_chars = {s[0] for s in stop}
         self.text = ""  # the completion text so far (cut at a matched stop string)
         self.emitted = 0  # characters of `text` already handed out
 
@@ -30,9 +31,21 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False  # an incomplete UTF-8 sequence (or nothing printable) so far
-        start = len(self.text)
-        self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._extend(full[len(prefix) :])
+
+    def flush(self) -> bool:
+        """At the end: keeps the bytes still waiting for the rest of a character (stop strings apply)."""
+        if self.read_offset >= len(self.ids):
+            return False
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return self._extend(full[len(prefix) :])
+
+    def _extend(self, new_text: str) -> bool:
+        start = len(self.text)
+        self.text += new_text
         if self.stop:
             window = max(0, start - self.max_stop + 1)
             hits = [i for s in self.stop if (i := self.text.find(s, window)) >= 0]
@@ -41,22 +54,14 @@ class IncrementalDetokenizer:
                 return True
         return False
 
-    def flush(self) -> None:
-        """At the end: keeps whatever bytes were still waiting for the rest of a character."""
-        if self.read_offset < len(self.ids):
-            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-            self.text += self._decode(self.ids[self.prefix_offset :])[len(prefix) :]
-            self.prefix_offset = self.read_offset = len(self.ids)
-
     def _held_back(self) -> int:
         """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+        text, n = self.text, len(self.text)
+        # NOTE: only tails starting with some stop's first character can match: O(max_stop) probes at worst.
+        for p in range(max(0, n - self.max_stop + 1), n):
+            if text[p] in self.first_chars and any(s.startswith(text[p:]) and len(s) > n - p for s in self.stop):
+                return n - p
+        return 0
 
     def delta(self, finished: bool) -> str:
         """New text safe to show now; everything that is left once `finished`."""

@@ -17,7 +17,7 @@ from engine.config import EngineConfig, fault_marker
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.models import LlamaModel
-from engine.request import CompletionOutput, Request, RequestOutput, SamplingParams, Status
+from engine.request import CompletionOutput, PromptTooLongError, Request, RequestOutput, SamplingParams, Status
 from engine.scheduler import Batch, Scheduler
 
 log = logging.getLogger("sluice.engine")
@@ -119,9 +119,11 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+            raise PromptTooLongError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
         if len(ids) == self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens = max_model_len={self.max_model_len}: no room to generate")
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens = max_model_len={self.max_model_len}: no room to generate"
+            )
         req = Request(request_id, ids, params, min(params.max_tokens, self.max_model_len - len(ids)))
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         if params.seed is not None:
@@ -164,10 +166,12 @@ class LLMEngine:
         self.num_steps += 1
         j = 0
         for req, sampled in zip(batch.reqs, samples):
-            if not sampled:
-                continue
-            outputs.append(self._append_token(req, tokens[j], logprobs[j]))
-            j += 1
+            if sampled:
+                outputs.append(self._append_token(req, tokens[j], logprobs[j]))
+                j += 1
+            elif not req.announced:  # first chunk of a long prompt: tell the caller it started
+                outputs.append(self._output(req, [], "", None))
+            req.announced = True
         return outputs
 
     def _count_prompt_tokens(self, batch: Batch) -> None:
@@ -185,8 +189,8 @@ class LLMEngine:
             reason, matched_stop_string = "stop", True
         elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
-        if reason is not None and not matched_stop_string:
-            req.detok.flush()
+        if reason is not None and not matched_stop_string and req.detok.flush():
+            reason = "stop"  # the last, held-back bytes completed a stop string
         out = self._output(req, [token], req.detok.delta(reason is not None), reason, [logprob] if logprob else None)
         if reason is not None:
             self.requests.pop(req.request_id, None)

@@ -48,8 +48,14 @@ class ModelRunner:
         self.cu_seqlens_q = torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin)
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin)
         self.sampler = Sampler(seed, device)
+        # NOTE: the host buffers above are reused every step; copies out of them are asynchronous
+        # on CUDA, so the next step must not overwrite them before the last copies have run.
+        self.copies_done = torch.cuda.Event() if device.type == "cuda" else None
 
-    def _prepare(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata]:
+    def _prepare(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Step metadata on the device; `rows`: the sequences whose last token reaches the LM head."""
+        if self.copies_done is not None:
+            self.copies_done.synchronize()
         B, bs = len(batch), self.block_size
         ns = np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.asarray([r.num_computed_tokens for r in batch.reqs], dtype=np.int64)
@@ -81,20 +87,20 @@ class ModelRunner:
             block_tables=self.block_tables[:B, :max_blocks].to(dev, non_blocking=True),
             cu_seqlens_q=self.cu_seqlens_q[: B + 1].to(dev, non_blocking=True),
             seq_lens=self.seq_lens[:B].to(dev, non_blocking=True),
-            logits_indices=torch.from_numpy(cu[1:] - 1).to(dev, non_blocking=True),
+            logits_indices=torch.from_numpy(cu[1:][rows] - 1).to(dev),
         )
-        return self.input_ids[:T].to(dev, non_blocking=True), meta
+        input_ids = self.input_ids[:T].to(dev, non_blocking=True)
+        if self.copies_done is not None:
+            self.copies_done.record()
+        return input_ids, meta
 
     def run(self, batch: Batch, samples: list[bool]) -> tuple[list[int], list[TokenLogprob | None]]:
         """Computes the batch's new tokens; returns a sampled token for each request with `samples[i]`."""
         if any(r.fault for r in batch.reqs):
             raise RuntimeError("injected fault (SLUICE_FAULT_INJECT)")
-        input_ids, meta = self._prepare(batch)
         rows = [i for i, s in enumerate(samples) if s]
-        if rows and len(rows) < len(batch):
-            meta.logits_indices = meta.logits_indices[torch.tensor(rows, device=self.device)]
-        elif not rows:
-            meta.logits_indices = meta.logits_indices[:1]  # the forward still fills the KV cache
+        # with nothing to sample, one row still goes through the LM head: the forward fills the KV cache
+        input_ids, meta = self._prepare(batch, rows or [0])
         logits = self.model.forward(input_ids, meta, self.kv_caches)
         if not rows:
             return [], []

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+class PromptTooLongError(ValueError):
+    """The prompt does not fit in max_model_len with room for at least one new token."""
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -37,7 +41,8 @@ class SamplingParams:
         need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        need(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        need(-1 <= self.top_k <= 2**31 - 1, f"top_k must be -1, 0 (off) or a positive int32, got {self.top_k}")
+        need(self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         need(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         need(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
@@ -86,6 +91,7 @@ class Request:
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.admitted = False  # set on first admission, so cache stats count each prompt once
+        self.announced = False  # an output (maybe empty) has told the caller it was scheduled
         self.fault = False  # test-only fault injection (engine.config.fault_marker)
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
         self.generator = None  # torch.Generator when params.seed is set

@@ -29,10 +29,15 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Masks (to -inf) tokens outside each row's top-k / nucleus / min-p set. logits: (N, V)."""
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    use_top_k_p: bool = True, use_min_p: bool = True,
+) -> torch.Tensor:
+    """Masks (to -inf) tokens outside each row's top-k / nucleus / min-p set. logits: (N, V).
+
+    `use_*` let a caller that knows no row filters skip the work (and a device sync)."""
     V = logits.shape[1]
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    if use_top_k_p and (bool((top_k > 0).any()) or bool((top_p < 1.0).any())):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         k = torch.where(top_k > 0, top_k, V).clamp(max=V)
         ranks = torch.arange(V, device=logits.device)[None, :]
@@ -44,7 +49,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if bool((min_p > 0).any()):
+    if use_min_p and bool((min_p > 0).any()):
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits
@@ -72,11 +77,14 @@ class Sampler:
             params = [reqs[i].params for i in rand]
             dev = logits.device
             sub = logits[rand] / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+            V = logits.shape[1]
             sub = filter_logits(
                 sub,
-                torch.tensor([p.top_k for p in params], device=dev),
+                torch.tensor([min(p.top_k, V) for p in params], device=dev),
                 torch.tensor([p.top_p for p in params], device=dev),
                 torch.tensor([p.min_p for p in params], device=dev),
+                use_top_k_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+                use_min_p=any(p.min_p > 0 for p in params),
             )
             probs = sub.softmax(-1)
             # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) samples p.

@@ -112,7 +112,7 @@ class Scheduler:
             cached = self.bm.match_prefix(req)
             num_cached = len(cached) * self.bm.block_size
             remaining = req.num_tokens - num_cached
-            if remaining > 1 and partial >= cfg.max_num_partial_prefills:
+            if chunked and remaining > 1 and partial >= cfg.max_num_partial_prefills:
                 break
             n = min(remaining, budget, cfg.chunk_limit) if chunked else remaining
             if n > budget:

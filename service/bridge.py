@@ -14,12 +14,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine import RequestOutput, SamplingParams, StepError
+from engine import PromptTooLongError, RequestOutput, SamplingParams, StepError
 from service.handle import GenerateRequest, RequestError, RequestHandle, TokenLogprobs, TokenRate
 
 log = logging.getLogger("sluice.bridge")
 
 MAX_CONSECUTIVE_FAILURES = 3  # unexpected step exceptions in a row before the engine is declared dead
+# NOTE: templating + tokenizing run on the engine thread, so a huge prompt would stall every stream
+# while it is tokenized only to be refused. No tokenizer packs more characters than this into one
+# token on ordinary text, so longer prompts are refused up front, on the loop, at no cost.
+MAX_CHARS_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,11 @@ class EngineBridge:
             SamplingParams(max_tokens=req.max_tokens or 1, logprobs=req.logprobs, **req.sampling)
         except (ValueError, TypeError) as e:
             raise RequestError("invalid_message", f"invalid sampling parameters: {e}") from None
+        chars = _prompt_chars(req.prompt)
+        if self.max_model_len and chars > MAX_CHARS_PER_TOKEN * self.max_model_len:
+            raise RequestError("prompt_too_long", f"the prompt has {chars} characters; the context is "
+                                                  f"{self.max_model_len} tokens (at most {MAX_CHARS_PER_TOKEN} "
+                                                  "characters each are accepted)")
         if self._num_queued >= self._max_queued:
             raise RequestError("overloaded", f"the server queue is full ({self._max_queued} requests "
                                              "waiting); retry later")
@@ -276,7 +285,7 @@ class _EngineWorker:
                 ids = engine.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
             else:
                 ids = list(req.prompt)
-                vocab = len(engine.tokenizer)
+                vocab = engine.model_config.vocab_size
                 if any(not 0 <= t < vocab for t in ids):
                     return RequestError("invalid_message", f"prompt token ids must be in 0..{vocab - 1}")
         except Exception as e:  # e.g. a chat template that rejects this sequence of roles
@@ -292,8 +301,10 @@ class _EngineWorker:
         try:
             params = SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **req.sampling)
             engine.add_request(rid, ids, params)
-        except ValueError as e:  # the engine's own admission checks (length, room)
+        except PromptTooLongError as e:  # the engine's own length checks
             return RequestError("prompt_too_long", str(e))
+        except ValueError as e:  # anything else the engine refuses about this request
+            return RequestError("invalid_message", str(e))
         return None
 
     @staticmethod
@@ -314,3 +325,9 @@ class _EngineWorker:
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         engine.pin_prefix(list(a[:n]))
         log.info("pinned a system prompt prefix of %d tokens", n)
+
+
+def _prompt_chars(prompt: list[dict[str, str]] | str | list[int]) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m.get("content", "")) for m in prompt if isinstance(m, dict))

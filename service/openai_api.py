@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from service.handle import GenerateRequest, RequestError, RequestHandle
+from service.protocol import StopString
 from service.openai_render import ChatRender, CompletionRender, Render
 
 if TYPE_CHECKING:
@@ -67,12 +68,12 @@ class _Common(Struct):
     n: int = 1
     stream: bool = False
     stream_options: _StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=16)] | None = None  # as PROTOCOL
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     # extensions under vLLM's names, reachable through the openai client's `extra_body`
-    top_k: Annotated[int, Meta(ge=0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     ignore_eos: bool | None = None

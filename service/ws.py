@@ -83,7 +83,7 @@ class Connection:
             return await self._refuse(f"no `hello` within {AUTH_TIMEOUT_S:.0f} s")
         if message["type"] == "websocket.disconnect":
             return False
-        match decode_client(message.get("text") or message.get("bytes") or b""):
+        match decode_client(message.get("text") or b""):  # a binary frame is never a valid `hello`
             case Hello(api_key=presented) if key_matches(presented, key):
                 return True
             case Hello():
@@ -259,11 +259,11 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
         except RuntimeError:  # server without the denial-response extension: refuse by closing
             await websocket.close(1008 if refusal[0] == 403 else 1013)
         return
-    await websocket.accept()
     conn = Connection(websocket, svc)
-    svc.connections.add(conn)
+    svc.connections.add(conn)  # NOTE: counted before the first await, so a burst cannot overshoot
     svc.metrics.websocket_connections.inc()
     try:
+        await websocket.accept()
         await conn.run()
     finally:
         svc.connections.discard(conn)

@@ -109,8 +109,10 @@ def _abort_checked(eng: LLMEngine, rid: str) -> None:
 
 def test_abort_mid_prefill_frees_the_blocks(eng):
     eng.add_request("pre", prompt(200), GREEDY)  # 200 tokens, 32 a step
-    for _ in range(3):
-        assert eng.step() == []  # no token yet: nothing to report
+    started = eng.step()  # the first chunk announces the request (empty delta), so callers know it started
+    assert [(o.request_id, o.new_token_ids, o.text_delta, o.finished) for o in started] == [("pre", [], "", False)]
+    for _ in range(2):
+        assert eng.step() == []  # later chunks: no token yet, nothing to report
     req = eng.requests["pre"]
     assert 0 < req.num_computed_tokens < req.num_prompt_tokens
     assert eng.stats()["num_free_kv_blocks"] < eng.stats()["num_kv_blocks"]
@@ -256,7 +258,7 @@ def test_step_outputs_only_for_requests_that_advanced(eng):
     eng.add_request("short", prompt(3), p)
     for i in range(4):
         eng.add_request(f"queued{i}", prompt(4), p)  # max_num_seqs=4: some wait
-    seen_silent = set()
+    seen_silent, seen_announced = set(), set()
     for _ in range(200):
         if not eng.has_unfinished():
             break
@@ -265,9 +267,13 @@ def test_step_outputs_only_for_requests_that_advanced(eng):
         ids = [o.request_id for o in outs]
         assert len(ids) == len(set(ids)), "one output per request per step"
         advanced = {rid for rid, n in before.items() if rid not in eng.requests or eng.requests[rid].num_tokens > n}
-        assert set(ids) == advanced
+        announced = {o.request_id for o in outs if not o.new_token_ids}
+        assert set(ids) - announced == advanced
         for o in outs:
-            assert len(o.new_token_ids) == 1
-        seen_silent |= set(before) - advanced
+            assert len(o.new_token_ids) == 1 or (o.text_delta == "" and not o.finished), "only a start is empty"
+        assert not announced & seen_announced, "a request is announced once"
+        seen_announced |= announced
+        seen_silent |= set(before) - advanced - announced
     assert not eng.has_unfinished()
     assert {"long", "queued3"} <= seen_silent  # the test did see requests that had to stay quiet
+    assert "long" in seen_announced  # its first chunk said it had started
