@@ -8,83 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-REPO = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 180
+from tests.server import REPO, Server, free_port, start_server  # noqa: F401  (re-exported to the tests)
+
 # Flags of the shared server; the reference engine in test_ws.py is built from the same values.
 MAIN_ENGINE = {"num_kv_blocks": 1024, "block_size": 16, "max_model_len": 512, "max_num_batched_tokens": 256}
 MAIN_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in MAIN_ENGINE.items()] + [
     "--max-inflight-per-connection=4", "--max-message-bytes=65536"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    port: int
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/ws"
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_server(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
-    port = free_port()
-    log = tmp / f"serve-{port}.log"
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port), *flags],
-                            cwd=REPO, env=full_env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    server = Server(port, proc, log)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"sluice serve exited with {proc.returncode}:\n{server.log_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_text()[-4000:]}")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,89 @@
+"""A real `sluice serve` subprocess on a free loopback port, for the service and browser tests.
+
+Servers run with OMP_NUM_THREADS=1: on a small shared CPU box torch's spinning worker threads
+slow every step several-fold.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/ws"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def stop(self) -> int:
+        """SIGTERM (graceful drain), then the exit status; killed if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def spawn_server(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
+    """Starts a server without waiting for it (start several, then `wait_healthy` each)."""
+    port = free_port()
+    log = tmp / f"serve-{port}.log"
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port), *flags],
+                            cwd=REPO, env=full_env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return Server(port, proc, log)
+
+
+def wait_healthy(server: Server) -> Server:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            pytest.fail(f"sluice serve exited with {server.proc.returncode}:\n{server.log_tail(80)}")
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail(80)}")
+
+
+def start_server(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
+    return wait_healthy(spawn_server(tmp, *flags, env=env))
