@@ -29,12 +29,26 @@ class Render(Protocol):
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]: ...
 
 
-class ChatRender:
+class _Base:
+    ID_PREFIX = ""
+    CHUNK_OBJECT = ""
+
     def __init__(self, model: str, logprobs: bool) -> None:
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.logprobs = logprobs
+
+    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage_: Any = None) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created, "model": self.model,
+                 "choices": choices}
+        if include_usage:
+            chunk["usage"] = usage_
+        return chunk
+
+
+class ChatRender(_Base):
+    ID_PREFIX, CHUNK_OBJECT = "chatcmpl", "chat.completion.chunk"
 
     @staticmethod
     def _lp(lps: list[TokenLogprobs]) -> dict[str, Any]:
@@ -43,13 +57,6 @@ class ChatRender:
 
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(tt, tl) for tt, tl in top]}
                             for t, lp, top in lps], "refusal": None}
-
-    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage_: Any = None) -> dict[str, Any]:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                 "choices": choices}
-        if include_usage:
-            chunk["usage"] = usage_
-        return chunk
 
     def response(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
@@ -76,12 +83,11 @@ class ChatRender:
         return chunks
 
 
-class CompletionRender:
+class CompletionRender(_Base):
+    ID_PREFIX, CHUNK_OBJECT = "cmpl", "text_completion"
+
     def __init__(self, model: str, logprobs: bool) -> None:
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = model
-        self.logprobs = logprobs
+        super().__init__(model, logprobs)
         self.offset = 0  # text_offset of the next token, across stream chunks
 
     def _lp(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
@@ -91,13 +97,6 @@ class CompletionRender:
             self.offset += len(tok)
         return {"tokens": [t for t, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
                 "top_logprobs": [dict(top) for _, _, top in lps], "text_offset": offsets}
-
-    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage_: Any = None) -> dict[str, Any]:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                 "choices": choices}
-        if include_usage:
-            chunk["usage"] = usage_
-        return chunk
 
     def response(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
