@@ -19,14 +19,20 @@ def longer_than(n: int) -> re.Pattern[str]:
 
 
 def count_growth(page) -> None:
-    """Record every distinct text the newest answer shows while it streams (in window.__growth)."""
+    """Record every distinct text the newest answer shows while it streams (in window.__growth), and
+    its aria-busy at each of those moments (window.__busy): no race with how fast the answer ends."""
     page.evaluate("""() => {
       window.__growth = [];
+      window.__busy = [];
       const t = document.getElementById('transcript');
       new MutationObserver(() => {
-        const bodies = t.querySelectorAll('.msg.assistant .body');
-        const text = bodies.length ? bodies[bodies.length - 1].textContent : '';
-        if (text && text !== window.__growth.at(-1)) window.__growth.push(text);
+        const answers = t.querySelectorAll('.msg.assistant');
+        const last = answers.length ? answers[answers.length - 1] : null;
+        const text = last ? last.querySelector('.body').textContent : '';
+        if (text && text !== window.__growth.at(-1)) {
+          window.__growth.push(text);
+          window.__busy.push(last.getAttribute('aria-busy'));
+        }
       }).observe(t, {childList: true, subtree: true, characterData: true});
     }""")
 
