@@ -176,4 +176,8 @@ def test_new_rename_delete_and_undo(ui):
     page.locator("#toast").get_by_role("button", name="Undo").click()
     expect(items).to_have_count(3)
     expect(page.locator("#chat-title")).to_have_text("Groceries")
+    for _ in range(50):  # saves are debounced (300 ms): wait for the undo to reach storage
+        if "Groceries" in (page.evaluate("localStorage.getItem('sluice.chats.v1')") or ""):
+            break
+        page.wait_for_timeout(100)
     assert "Groceries" in page.evaluate("localStorage.getItem('sluice.chats.v1')")
