@@ -46,38 +46,44 @@ def paged_attention(
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(len(lens))]
-    decodes = [b for b, n in enumerate(q_lens) if n == 1]
-    # NOTE: decodes (q_len == 1) are batched into one padded SDPA call; prefill chunks go one by one.
-    if len(decodes) > 1:
-        idx = torch.tensor(decodes)
-        nb = -(-max(lens[b] for b in decodes) // bs)
+    # NOTE: decodes are batched per power-of-two bucket of block count, so one long context does not pad
+    # every other decode to its length; a lone decode and prefill chunks go one by one.
+    buckets: dict[int, list[int]] = {}
+    for b, n in enumerate(q_lens):
+        if n == 1:
+            buckets.setdefault((-(-lens[b] // bs) - 1).bit_length(), []).append(b)
+    done: set[int] = set()
+    for grp in buckets.values():
+        if len(grp) < 2:
+            continue
+        nb = -(-max(lens[b] for b in grp) // bs)
+        idx = torch.tensor(grp)
         k = _gather(k_cache, block_tables[idx], nb).transpose(1, 2)  # (B, Hkv, L, D)
         v = _gather(v_cache, block_tables[idx], nb).transpose(1, 2)
-        rows = torch.tensor([cu[b] for b in decodes])
+        rows = torch.tensor([cu[b] for b in grp])
         dev = q.device  # SDPA refuses a CPU mask for CUDA inputs
-        mask = torch.arange(nb * bs, device=dev)[None, :] < torch.tensor([lens[b] for b in decodes], device=dev)[:, None]
+        mask = torch.arange(nb * bs, device=dev)[None, :] < torch.tensor([lens[b] for b in grp], device=dev)[:, None]
         o = F.scaled_dot_product_attention(
             q[rows].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa
         )  # (B, Hq, 1, D)
         out[rows] = o.squeeze(2)
-    else:
-        decodes = []
-    done = set(decodes)
+        done.update(grp)
     for b, n in enumerate(q_lens):
         if n == 0 or b in done:
             continue
         L = lens[b]
-        k = _gather(k_cache, block_tables[b], -(-L // bs))[0, :L].transpose(0, 1)  # (Hkv, L, D)
-        v = _gather(v_cache, block_tables[b], -(-L // bs))[0, :L].transpose(0, 1)
-        qb = q[cu[b] : cu[b + 1]].transpose(0, 1)  # (Hq, n, D)
-        if n == L:
-            mask, causal = None, True
+        k = _gather(k_cache, block_tables[b], -(-L // bs))[:, :L].transpose(1, 2)  # (1, Hkv, L, D)
+        v = _gather(v_cache, block_tables[b], -(-L // bs))[:, :L].transpose(1, 2)
+        # NOTE: 4-D, not 3-D: CPU SDPA sends 3-D inputs to the math path (an n x L score matrix per head).
+        qb = q[cu[b] : cu[b + 1]].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
+        if n == L or n == 1:
+            mask, causal = None, n > 1
         else:
             # query i sits at position L - n + i and sees keys at positions <= its own
             mask = torch.arange(L, device=q.device)[None, :] <= (L - n + torch.arange(n, device=q.device))[:, None]
             causal = False
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
-        out[cu[b] : cu[b + 1]] = o.transpose(0, 1)  # (n, Hq, D)
+        out[cu[b] : cu[b + 1]] = o[0].transpose(0, 1)  # (n, Hq, D)
     return out
 
 

@@ -1,0 +1,99 @@
+"""Writes a workload's results: `WORKLOAD.json` (DESIGN §10), `WORKLOAD.md` (table + targets), `WORKLOAD.png`.
+
+A full (non-quick) run into the default results folder also refreshes that workload's section of
+bench/README.md, between `<!-- results:WORKLOAD -->` markers, so the README always shows the latest run.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: never needs a display
+import matplotlib.pyplot as plt
+
+from bench.common import RESULTS_DIR, Run
+
+README = Path(__file__).parent / "README.md"
+
+
+def target(name: str, value: float | None, op: str, bound: float) -> dict:
+    """One target of issue 6: `value op bound`, e.g. ratio >= 3."""
+    met = None if value is None else (value >= bound if op == ">=" else value <= bound)
+    return {"name": name, "value": None if value is None else round(value, 3), "op": op, "bound": bound, "met": met}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:,.3f}" if abs(v) < 1 else f"{v:,.1f}"
+    return str(v)
+
+
+def markdown(result: dict, columns: list[str]) -> str:
+    rows = result["rows"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for r in rows:
+        cells = [_fmt(r.get(c)) if c != "error" or not r.get(c) else str(r[c])[:80] for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    if result.get("targets"):
+        lines += ["", "| target | value | bound | met |", "|---|---|---|---|"]
+        for t in result["targets"]:
+            met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+            lines.append(f"| {t['name']} | {_fmt(t['value'])} | {t['op']} {t['bound']} | {met} |")
+    cfg = result.get("config", {})
+    host = result.get("host", {})
+    lines += ["", f"Command: `{result.get('command')}`  ", f"Config: `{json.dumps(cfg, sort_keys=True)}`  ",
+              f"Host: {host.get('cpu')}, {host.get('threads')} threads, {host.get('dtype')}, torch {host.get('torch')}; "
+              f"{result.get('timestamp')}" + (" (--quick)" if result.get("quick") else "")]
+    return "\n".join(lines) + "\n"
+
+
+def write(run: Run, workload: str, rows: list[dict], *, columns: list[str], config: dict, targets: list[dict],
+          plot, extra: dict | None = None) -> Path:
+    """`plot(ax_or_fig_factory)` draws the workload's figure; returns the JSON path."""
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    result = {
+        "workload": workload,
+        "model": run.model_dir.name,
+        "rows": rows,
+        "targets": targets,
+        "config": config,
+        "host": run.host(),
+        "quick": run.quick,
+        "command": run.command,
+        "rounds": run.rounds,
+        "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **(extra or {}),
+    }
+    path = run.out_dir / f"{workload}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)
+    md = markdown(result, ["system", *[c for c in columns if c != "system"]])
+    (run.out_dir / f"{workload}.md").write_text(f"# {workload}\n\n{md}")
+    fig = plot()
+    fig.savefig(run.out_dir / f"{workload}.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    if not run.quick and run.out_dir.resolve() == RESULTS_DIR.resolve():
+        _refresh_readme(workload, md)
+    return path
+
+
+def _refresh_readme(workload: str, md: str) -> None:
+    if not README.exists():
+        return
+    text = README.read_text()
+    begin, end = f"<!-- results:{workload} -->", f"<!-- /results:{workload} -->"
+    if begin not in text or end not in text:
+        return
+    block = f"{begin}\n{md}\n![{workload}](results/{workload}.png)\n{end}"
+    README.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.DOTALL))

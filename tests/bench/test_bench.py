@@ -1,0 +1,65 @@
+"""Smoke test of `python -m bench`: the quick offline/stall/prefix runs finish and write DESIGN §10 results.
+
+Runs on the tiny test model in one subprocess (one torch import); it checks shapes, not speed.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROW_KEYS = ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "prefix_hit_rate")
+SYSTEMS = {
+    "offline": {"sluice-mixed", "sluice-prefill_first", "sluice-static", "transformers-static", "transformers-cb"},
+    "stall": {"mixed@128", "mixed@256", "mixed@512", "prefill_first", "static"},
+    "prefix": {"prefix-cache-on", "prefix-cache-off"},
+}
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", *SYSTEMS, "--quick", "--no-progress", "--model", str(tiny_model_dir),
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("workload", sorted(SYSTEMS))
+def test_results_follow_design_schema(results: Path, workload: str) -> None:
+    data = json.loads((results / f"{workload}.json").read_text())
+    assert data["workload"] == workload and isinstance(data["model"], str)
+    assert {r["system"] for r in data["rows"]} == SYSTEMS[workload]
+    for row in data["rows"]:
+        if row.get("error"):  # only a transformers baseline may be unavailable, and it must say why
+            assert row["system"].startswith("transformers-"), row
+            continue
+        for key in ROW_KEYS:
+            assert key in row, (row["system"], key)
+            assert row[key] is None or isinstance(row[key], (int, float)), (row["system"], key, row[key])
+        assert row["throughput_tok_s"] > 0 and row["output_tokens"] > 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert row["itl_p50_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]
+    for t in data["targets"]:
+        assert t["met"] in (True, False, None) and t["op"] in ("<=", ">=")
+    assert (results / f"{workload}.md").read_text().startswith(f"# {workload}")
+    assert (results / f"{workload}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_engine_counters_tell_cache_on_from_off(results: Path) -> None:
+    rows = {r["system"]: r for r in json.loads((results / "prefix.json").read_text())["rows"]}
+    on, off = rows["prefix-cache-on"], rows["prefix-cache-off"]
+    assert off["prefix_hit_rate"] == 0.0 < on["prefix_hit_rate"]
+    assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"]
+
+
+def test_stall_window_holds_the_long_prompt(results: Path) -> None:
+    for row in json.loads((results / "stall.json").read_text())["rows"]:
+        assert row["long_ttft_ms"] > 0 and row["window_gaps"] > 0, row
