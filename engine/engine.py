@@ -258,8 +258,7 @@ class LLMEngine:
         return bm.pin(token_ids)
 
     def check_integrity(self) -> None:
-        live = [r for r in self.scheduler.running]
-        self.block_manager.check_integrity(live)
+        self.block_manager.check_integrity(self.scheduler.running)
         for r in self.scheduler.waiting:
             assert not r.block_table, f"waiting {r} holds blocks"
 

@@ -86,7 +86,6 @@ class Scheduler:
             else:
                 self._preempt(req)
                 i -= 1
-            i = min(i, len(self.running))
         return budget
 
     def _schedule_partial_prefills(self, batch: Batch, budget: int) -> int:

@@ -36,11 +36,12 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _dispatch(name: str):
+def _dispatch(name: str, device_arg: int = 0):
+    """`device_arg`: the positional argument whose device picks the implementation."""
     ref = getattr(reference, name)
 
     def op(*args, **kwargs):
-        impl = getattr(_triton_ops(), name) if _use_triton(args[0] if name != "rotary_embedding" else args[1]) else ref
+        impl = getattr(_triton_ops(), name) if _use_triton(args[device_arg]) else ref
         return impl(*args, **kwargs)
 
     op.__name__ = name
@@ -51,7 +52,7 @@ def _dispatch(name: str):
 paged_attention = _dispatch("paged_attention")
 store_kv = _dispatch("store_kv")
 rms_norm = _dispatch("rms_norm")
-rotary_embedding = _dispatch("rotary_embedding")
+rotary_embedding = _dispatch("rotary_embedding", device_arg=1)  # positions may stay on the host
 silu_and_mul = _dispatch("silu_and_mul")
 
 __all__ = ["paged_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul", "MODE"]
