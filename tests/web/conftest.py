@@ -69,22 +69,24 @@ def keyed_server(servers) -> Server:
     return servers["keyed"]
 
 
-@pytest.fixture
-def ui(browser, server) -> Iterator[UI]:
-    """A page on the real server. Any console error or uncaught exception fails the test."""
-    with open_ui(browser, server.url) as page_ui:
+def _checked_page(browser, url: str) -> Iterator[UI]:
+    """A page on `url`. Any console error or uncaught exception fails the test."""
+    with open_ui(browser, url) as page_ui:
         yield page_ui
         errors = list(page_ui.errors)
     assert not errors, "console errors:\n" + "\n".join(errors)
+
+
+@pytest.fixture
+def ui(browser, server) -> Iterator[UI]:
+    """A page on the real server."""
+    yield from _checked_page(browser, server.url)
 
 
 @pytest.fixture
 def keyed_ui(browser, keyed_server) -> Iterator[UI]:
     """A page on a server started with `--api-key KEY`."""
-    with open_ui(browser, keyed_server.url) as page_ui:
-        yield page_ui
-        errors = list(page_ui.errors)
-    assert not errors, "console errors:\n" + "\n".join(errors)
+    yield from _checked_page(browser, keyed_server.url)
 
 
 @pytest.fixture
