@@ -1,6 +1,7 @@
 """`ServerConfig`: the one frozen config of the service, built from CLI flags (one flag per field).
 
-The environment is read here and nowhere else in `service/` (`SLUICE_API_KEY`).
+Every flag `--foo-bar` can also be set as `SLUICE_FOO_BAR`; a flag on the command line wins, and
+an empty variable counts as unset. The environment is read here and nowhere else in `service/`.
 Engine fields left at `None` fall through to `EngineConfig`'s own defaults.
 """
 from __future__ import annotations
@@ -70,15 +71,58 @@ class ServerConfig:
         return kwargs
 
 
+ENV_PREFIX = "SLUICE_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
 def _csv(values: Sequence[str] | None) -> tuple[str, ...]:
     """Flags that take lists accept both repetition and commas: `--allowed-origins a,b --allowed-origins c`."""
     return tuple(v.strip() for item in values or () for v in item.split(",") if v.strip())
+
+
+def env_var(action: argparse.Action) -> str:
+    """The variable that sets a flag: `--max-num-seqs` -> `SLUICE_MAX_NUM_SEQS`; `--[no-]prefix-caching` -> `SLUICE_PREFIX_CACHING`."""
+    return ENV_PREFIX + action.dest.upper()
+
+
+def flag_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every option of `sluice serve` but `--help`, in --help order."""
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def _env_value(action: argparse.Action, raw: str) -> Any:
+    """A variable's text -> what its flag would have parsed to; ValueError says what was expected."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        word = raw.strip().lower()
+        if word not in _TRUE | _FALSE:
+            raise ValueError("expected 1/0, true/false, yes/no or on/off")
+        return word in _TRUE
+    if isinstance(action, argparse._AppendAction):  # list flags: comma-separated in one variable
+        return list(_csv([raw]))
+    try:
+        value = action.type(raw.strip()) if action.type else raw
+    except ValueError:
+        raise ValueError(f"not a valid {action.type.__name__}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def _given_on_command_line(argv: list[str]) -> set[str]:
+    """Dests of the flags present in `argv` (parsed again with every default suppressed)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sluice serve",
         description="Serve a model over WebSocket (/v1/ws) and OpenAI-compatible HTTP (/v1/*).",
+        epilog="Every flag can also be set as an environment variable SLUICE_<FLAG>: SLUICE_MAX_NUM_SEQS=64 "
+               "is --max-num-seqs 64, SLUICE_PREFIX_CACHING=0 is --no-prefix-caching (booleans: 1/0, true/false, "
+               "yes/no, on/off), list flags take commas. An empty variable is unset; a flag on the command line wins.",
     )
     d = ServerConfig()
     e = p.add_argument_group("engine")
@@ -102,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=d.host, help="interface to bind (default: %(default)s)")
     s.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
     s.add_argument("--served-model-name", help="model name in API responses (default: the model's)")
-    s.add_argument("--api-key", help="require this key on /v1/* and the WebSocket (env: SLUICE_API_KEY)")
+    s.add_argument("--api-key", help="require this key on /v1/* and the WebSocket")
     s.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
                    help="comma-separated Origins allowed to open WebSockets; repeatable (default: any)")
     s.add_argument("--max-connections", type=int, help="most open WebSocket connections (default: no limit)")
@@ -120,24 +164,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
-    """Flags (`serve` as first word is optional) plus the environment -> `ServerConfig`."""
+    """Flags (`serve` as first word is optional) over `SLUICE_*` variables over defaults -> `ServerConfig`.
+
+    Variables that name no flag (`SLUICE_HOME`, `SLUICE_KERNELS`, ...) belong to others and are left alone.
+    """
     argv = list(argv if argv is not None else ())
     if argv[:1] == ["serve"]:
         argv = argv[1:]
     environ = os.environ if environ is None else environ
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
+    given = _given_on_command_line(argv)
+    from_env: dict[str, str] = {}  # dest -> the variable that set it, for error messages
+    for action in flag_actions(parser):
+        name = env_var(action)
+        raw = environ.get(name, "")
+        if action.dest in given or not raw.strip():  # the flag wins; empty means unset (compose's `${VAR:-}`)
+            continue
+        try:
+            ns[action.dest] = _env_value(action, raw)
+        except ValueError as e:
+            parser.error(f"{name}={raw!r}: {e} (it sets {action.option_strings[0]})")
+        from_env[action.dest] = name
+
+    def fail(message: str) -> None:
+        sources = [f"{name} sets {_flag(dest)}" for dest, name in from_env.items() if _flag(dest) in message]
+        parser.error(message + (f" ({'; '.join(sources)})" if sources else ""))
+
     ns["pin_system_prompt"] = tuple(ns["pin_system_prompt"] or ())
     ns["allowed_origins"] = _csv(ns["allowed_origins"])
-    if ns["api_key"] is None:
-        ns["api_key"] = environ.get("SLUICE_API_KEY") or None
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     assert set(ns) == fields, f"flags and ServerConfig fields differ: {set(ns) ^ fields}"
     for path in ns["pin_system_prompt"]:
         if not os.path.isfile(path):
-            parser.error(f"--pin-system-prompt: no such file: {path}")
+            fail(f"--pin-system-prompt: no such file: {path}")
     try:
         return ServerConfig(**ns)
     except ValueError as e:
-        parser.error(str(e))
+        fail(str(e))
         raise  # unreachable: parser.error exits
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")

@@ -1,11 +1,17 @@
-"""`sluice serve` flags -> ServerConfig (service/config.py): names from DESIGN §9, env in one place."""
+"""`sluice serve` flags and `SLUICE_*` variables -> ServerConfig (service/config.py): names from DESIGN §9."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from service.config import ServerConfig, build_parser, parse_config
+from service.config import (
+    ServerConfig,
+    build_parser,
+    env_var,
+    flag_actions,
+    parse_config,
+)
 
 DESIGN_FLAGS = [
     "--model", "--host", "--port", "--dtype", "--device", "--block-size", "--num-kv-blocks", "--max-num-seqs",
@@ -47,6 +53,67 @@ def test_api_key_from_env_and_flag_wins() -> None:
     assert parse_config([], {"SLUICE_API_KEY": "from-env"}).api_key == "from-env"
     assert parse_config(["--api-key", "flag"], {"SLUICE_API_KEY": "from-env"}).api_key == "flag"
     assert parse_config([], {"SLUICE_API_KEY": ""}).api_key is None
+
+
+def test_every_flag_has_a_variable(tmp_path) -> None:
+    prompt_a, prompt_b = tmp_path / "a.txt", tmp_path / "b.txt"
+    prompt_a.write_text("A")
+    prompt_b.write_text("B")
+    env = {
+        "SLUICE_MODEL": "/models/m", "SLUICE_DTYPE": "bfloat16", "SLUICE_DEVICE": "cuda", "SLUICE_BLOCK_SIZE": "32",
+        "SLUICE_NUM_KV_BLOCKS": "100", "SLUICE_MAX_NUM_SEQS": "8", "SLUICE_MAX_NUM_BATCHED_TOKENS": "512",
+        "SLUICE_MAX_MODEL_LEN": "1024", "SLUICE_SCHEDULING": "static", "SLUICE_PREFIX_CACHING": "false",
+        "SLUICE_LONG_PREFILL_TOKEN_THRESHOLD": "64", "SLUICE_MAX_NUM_PARTIAL_PREFILLS": "2", "SLUICE_SEED": "7",
+        "SLUICE_PIN_SYSTEM_PROMPT": f"{prompt_a},{prompt_b}", "SLUICE_HOST": "0.0.0.0", "SLUICE_PORT": "9000",
+        "SLUICE_SERVED_MODEL_NAME": "m", "SLUICE_API_KEY": "k", "SLUICE_ALLOWED_ORIGINS": "http://a.example, http://b.example",
+        "SLUICE_MAX_CONNECTIONS": "5", "SLUICE_MAX_INFLIGHT_PER_CONNECTION": "3", "SLUICE_MAX_QUEUED_REQUESTS": "9",
+        "SLUICE_MAX_MESSAGE_BYTES": "4096", "SLUICE_TIMEOUT_GRACEFUL_SHUTDOWN": "2.5", "SLUICE_LOG_LEVEL": "debug",
+    }
+    assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
+    c = parse_config([], env)
+    assert c == ServerConfig(
+        model="/models/m", dtype="bfloat16", device="cuda", block_size=32, num_kv_blocks=100, max_num_seqs=8,
+        max_num_batched_tokens=512, max_model_len=1024, scheduling="static", prefix_caching=False,
+        long_prefill_token_threshold=64, max_num_partial_prefills=2, seed=7, pin_system_prompt=(str(prompt_a), str(prompt_b)),
+        host="0.0.0.0", port=9000, served_model_name="m", api_key="k", allowed_origins=("http://a.example", "http://b.example"),
+        max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
+        timeout_graceful_shutdown=2.5, log_level="debug")
+
+
+def test_flags_win_over_variables_and_empty_means_unset(tmp_path) -> None:
+    env = {"SLUICE_PORT": "9000", "SLUICE_PREFIX_CACHING": "0", "SLUICE_ALLOWED_ORIGINS": "http://env.example",
+           "SLUICE_MODEL": "/from/env"}
+    c = parse_config(["--port", "9001", "--prefix-caching", "--allowed-origins", "http://flag.example", "--model=/flag"], env)
+    assert (c.port, c.prefix_caching, c.allowed_origins, c.model) == (9001, True, ("http://flag.example",), "/flag")
+    assert parse_config(["--no-prefix-caching"], {"SLUICE_PREFIX_CACHING": "yes"}).prefix_caching is False
+    assert parse_config([], {"SLUICE_PREFIX_CACHING": "ON"}).prefix_caching is True
+    # compose passes `${SLUICE_MODEL:-}` through: empty (or blank) is "not set", never model "" or port ""
+    assert parse_config([], {"SLUICE_MODEL": "", "SLUICE_PORT": " ", "SLUICE_API_KEY": ""}) == ServerConfig()
+
+
+def test_variables_that_name_no_flag_are_left_alone() -> None:
+    env = {"SLUICE_HOME": "/data", "SLUICE_FAULT_INJECT": "boom", "SLUICE_KERNELS": "nonsense",
+           "SLUICE_UPDATE_DOCS": "1", "SLUICE_QUIET": "1", "SLUICE_MODELS_DIR": "./models"}
+    assert parse_config([], env) == ServerConfig()
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"SLUICE_PORT": "eighty"}, "SLUICE_PORT='eighty': not a valid int (it sets --port)"),
+    ({"SLUICE_PORT": "70000"}, "--port must be in 0..65535, got 70000 (SLUICE_PORT sets --port)"),
+    ({"SLUICE_TIMEOUT_GRACEFUL_SHUTDOWN": "soon"}, "SLUICE_TIMEOUT_GRACEFUL_SHUTDOWN='soon': not a valid float"),
+    ({"SLUICE_MAX_CONNECTIONS": "0"}, "--max-connections must be >= 1 (SLUICE_MAX_CONNECTIONS sets --max-connections)"),
+    ({"SLUICE_DEVICE": "gpu"}, "SLUICE_DEVICE='gpu': expected one of auto, cpu, cuda"),
+    ({"SLUICE_PREFIX_CACHING": "maybe"}, "SLUICE_PREFIX_CACHING='maybe': expected 1/0, true/false"),
+    ({"SLUICE_PIN_SYSTEM_PROMPT": "/no/such/file"}, "no such file: /no/such/file (SLUICE_PIN_SYSTEM_PROMPT sets"),
+])
+def test_bad_variables_name_the_variable(env: dict[str, str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_config([], env)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_flag_hides_a_bad_variable() -> None:
+    assert parse_config(["--port", "1"], {"SLUICE_PORT": "eighty"}).port == 1
 
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-connections", "0"], ["--dtype", "float64"],
