@@ -18,6 +18,12 @@ RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin sluice \
 WORKDIR /app
 
 FROM base AS torch-cpu
+# The CPU attention kernel (kernels/csrc) is compiled for the host's instruction set on first start and
+# cached under $SLUICE_HOME, so the CPU image carries a C++ compiler (without one, a slower torch path serves).
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 ARG TORCH_VERSION
 # Torch's own dependencies come pinned from PyPI in the next layer.
 RUN pip install --no-cache-dir --no-deps --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}+cpu"

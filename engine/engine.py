@@ -11,13 +11,21 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from engine import loader
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, fault_marker
+from engine.config import EngineConfig, fault_marker, sluice_home
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.models import LlamaModel
-from engine.request import CompletionOutput, PromptTooLongError, Request, RequestOutput, SamplingParams, Status
+from engine.request import (
+    CompletionOutput,
+    PromptTooLongError,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Status,
+)
 from engine.scheduler import Batch, Scheduler
 
 log = logging.getLogger("sluice.engine")
@@ -90,6 +98,9 @@ class LLMEngine:
             self.model, num_blocks, block_size, self.scheduler.whole_prompt_budget, config.max_num_seqs,
             max_model_len, self.device, self.dtype, config.seed,
         )
+        if self.device.type == "cpu":
+            kernels.cpu.load(sluice_home() / "build")  # native CPU attention; the torch twin otherwise
+        self.attention_backend = kernels.attention_backend(self.device)
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._fault_marker = fault_marker()
@@ -98,8 +109,8 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         log.info(
-            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
-            self.model_name, self.device, self.dtype, num_blocks, block_size, max_model_len,
+            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d attention=%s",
+            self.model_name, self.device, self.dtype, num_blocks, block_size, max_model_len, self.attention_backend,
         )
 
     # -- requests --------------------------------------------------------------------------

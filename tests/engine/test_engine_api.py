@@ -2,6 +2,8 @@
 generate over text and token prompts, and step outputs only for requests that advanced."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -277,3 +279,13 @@ def test_step_outputs_only_for_requests_that_advanced(eng):
     assert not eng.has_unfinished()
     assert {"long", "queued3"} <= seen_silent  # the test did see requests that had to stay quiet
     assert "long" in seen_announced  # its first chunk said it had started
+
+
+# -- kernels ------------------------------------------------------------------------------------
+
+
+def test_cpu_engine_runs_the_native_attention(engine):
+    """With a C++ compiler present (CI has one), CPU attention is the native kernel, not the torch twin."""
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler")
+    assert engine.attention_backend == "cpu-native"

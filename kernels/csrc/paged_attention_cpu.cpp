@@ -1,0 +1,358 @@
+// Paged attention for CPUs: reads K and V from the paged cache in place, one pass, fp32 online softmax.
+//
+// Same contract as `kernels.reference.paged_attention` (DESIGN.md §8), for the sequences whose query
+// length is at most `max_q_len` (the Python wrapper sends longer prefill chunks to SDPA). Plain C ABI,
+// called through ctypes: no torch headers, so it builds in about a second with any g++.
+//
+// Decode attention on a CPU is bound by reading the cache, so a work item is one sequence and a group
+// of its KV heads (all of them unless the batch is too small to keep every thread busy): a block's
+// rows are then read front to back. Each query row walks the blocks once: scores, online-softmax
+// update, weighted sum of V. With AVX-512 and a head dim of 64 or 128, a row's accumulator stays in
+// registers and the scores of 16 keys come out of one transpose-and-add instead of 16 horizontal sums;
+// elsewhere the same loops are plain C++ that the compiler vectorizes. Items are scheduled
+// dynamically, as context lengths differ. (Software prefetch of the next block measured slower.)
+#include <omp.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };  // kernels/cpu.py DTYPES
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);  // inf / NaN
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal half: normalize
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400u));
+    u = sign | uint32_t(112 - e) << 23 | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_f16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // overflows to inf (incl. rounding up)
+  if (a < 0x38800000u) {  // subnormal or zero in half
+    float af;
+    std::memcpy(&af, &a, 4);
+    // 2^-24 is the half subnormal step; nearbyint rounds half to even
+    return uint16_t(sign | uint32_t(std::nearbyint(af * 16777216.0f)));
+  }
+  uint32_t r = a + 0x0fffu + ((a >> 13) & 1u) - (112u << 23);
+  return uint16_t(sign | (r >> 13));
+}
+
+// exp(x) for x <= 0 (scores minus their running max), branch-free so the loop over a block vectorizes:
+// 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial for e^r on [-ln2/2, ln2/2] (rel. err ~2e-7).
+// Below -87 the result is ~1e-38 instead of 0: negligible next to the max term, which is exp(0) = 1.
+inline float exp_nonpositive(float x) {
+  x = x > -87.0f ? x : -87.0f;  // (not std::max: it returns a reference, which blocks vectorizing)
+  // round to nearest by adding and removing 1.5 * 2^23 (floorf does not vectorize without -fno-trapping-math)
+  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x - n * ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+// Element types of the cache: storage type plus its conversion to and from fp32.
+struct F32 {
+  using T = float;
+  static float to(T x) { return x; }
+  static T from(float x) { return x; }
+};
+struct BF16 {
+  using T = uint16_t;
+  static float to(T x) { return bf16_to_f32(x); }
+  static T from(float x) { return f32_to_bf16(x); }
+};
+struct F16 {
+  using T = uint16_t;
+  static float to(T x) { return f16_to_f32(x); }
+  static T from(float x) { return f32_to_f16(x); }
+};
+
+template <class E>
+inline void to_f32(const typename E::T* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = E::to(src[i]);
+}
+
+// Sixteen independent partial sums: vectorizes without reassociating a single float sum.
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = 0.0f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return s;
+}
+
+// One query row against one block's visible keys. `k`, `v`: the block's first row for this KV head;
+// rows are `stride` elements apart. Generic version: any head dim.
+template <class E, int DC>
+struct RowOps {
+  using T = typename E::T;
+  // s[t] = q . k_t for t < n
+  static void scores(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* row, float* s) {
+    for (int64_t t = 0; t < n; ++t) {
+      to_f32<E>(k + t * stride, row, D);
+      s[t] = dot(q, row, D);
+    }
+  }
+  // acc = acc * alpha + sum_t p[t] * v_t
+  static void weighted_sum(float* acc, float alpha, const float* p, const T* v, int64_t stride, int64_t n,
+                           int64_t D, float* row) {
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+    for (int64_t t = 0; t < n; ++t) {
+      to_f32<E>(v + t * stride, row, D);
+      for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * row[d];
+    }
+  }
+};
+
+#if defined(__AVX512F__)
+template <class E> __m512 load16(const typename E::T* p);
+template <> inline __m512 load16<F32>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<BF16>(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <> inline __m512 load16<F16>(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane t of the result is the sum of the 16 lanes of v[t]: four levels of pairwise interleave-and-add.
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] partials at 0, 2; v[2i+1] at 1, 3
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial of each of 4 consecutive rows
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)  // add 128-bit lanes pairwise: 0x88 picks lanes 0, 2 of each; 0xDD lanes 1, 3
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+template <class E, int DC>
+  requires(DC > 0 && DC % 16 == 0)
+struct RowOps<E, DC> {
+  using T = typename E::T;
+  static constexpr int C = DC / 16;  // 16-float chunks of a row
+  static void scores(const float* q, const T* k, int64_t stride, int64_t n, int64_t, float*, float* s) {
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int m = int(std::min<int64_t>(16, n - t0));
+      __m512 v[16];
+      for (int t = 0; t < 16; ++t) {
+        if (t < m) {
+          const T* kt = k + (t0 + t) * stride;
+          __m512 a = _mm512_mul_ps(qv[0], load16<E>(kt));
+          for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16<E>(kt + 16 * c), a);
+          v[t] = a;
+        } else {
+          v[t] = _mm512_setzero_ps();
+        }
+      }
+      _mm512_mask_storeu_ps(s + t0, __mmask16((1u << m) - 1), transpose_sum16(v));
+    }
+  }
+  static void weighted_sum(float* acc, float alpha, const float* p, const T* v, int64_t stride, int64_t n,
+                           int64_t, float*) {
+    __m512 a[C];
+    const __m512 al = _mm512_set1_ps(alpha);
+    for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), al);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      const T* vt = v + t * stride;
+      for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pt, load16<E>(vt + 16 * c), a[c]);
+    }
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+  }
+};
+#endif
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, row, s;
+  void reserve(int64_t rows, int64_t D, int64_t bs) {
+    if (int64_t(q.size()) < rows * D) { q.resize(rows * D); acc.resize(rows * D); }
+    if (int64_t(m.size()) < rows) { m.resize(rows); l.resize(rows); }
+    if (int64_t(row.size()) < D) row.resize(D);
+    if (int64_t(s.size()) < bs) s.resize(bs);
+  }
+};
+
+struct Args {
+  void* out;
+  const void *q, *k_cache, *v_cache;
+  const int32_t *block_tables, *cu_seqlens_q, *seq_lens;
+  int64_t bt_stride, max_blocks, num_seqs, Hq, Hkv, D, bs, num_blocks, max_q_len;
+  float scale;
+  int num_threads;
+};
+
+// DC: the head dim when known at compile time (64 and 128, the common ones), else 0.
+template <class E, int DC>
+int attend(const Args& a) {
+  using T = typename E::T;
+  using Ops = RowOps<E, DC>;
+  const int64_t D = DC ? DC : a.D, bs = a.bs, Hkv = a.Hkv, Hq = a.Hq, G = Hq / Hkv;
+  const int64_t tok_stride = Hkv * D;  // elements between two tokens of one block in the cache
+  const int64_t blk_stride = bs * tok_stride;
+  // heads per item: all of a sequence's, halved while there are fewer than 4 items per thread
+  int64_t hpi = Hkv;
+  while (hpi % 2 == 0 && a.num_seqs * (Hkv / hpi) < 4 * int64_t(a.num_threads)) hpi /= 2;
+  const int64_t groups = Hkv / hpi;
+  const int64_t items = a.num_seqs * groups;
+  const T* q = static_cast<const T*>(a.q);
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+  T* out = static_cast<T*>(a.out);
+  std::atomic<int> error{0};
+
+#pragma omp parallel num_threads(a.num_threads)
+  {
+    Scratch w;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t b = item / groups, h0 = item % groups * hpi;
+      const int64_t q0 = a.cu_seqlens_q[b], nq = a.cu_seqlens_q[b + 1] - q0, L = a.seq_lens[b];
+      if (nq <= 0 || nq > a.max_q_len) continue;
+      const int64_t nblk = (L + bs - 1) / bs;
+      const int32_t* table = a.block_tables + b * a.bt_stride;
+      if (nq > L || nblk > a.max_blocks) { error = 2; continue; }
+      bool ok = true;
+      for (int64_t j = 0; j < nblk; ++j) ok &= table[j] >= 0 && table[j] < a.num_blocks;
+      if (!ok) { error = 1; continue; }
+
+      // row r = (i * hpi + hh) * G + g: query i, KV head h0 + hh, query head (h0 + hh) * G + g; the
+      // query heads of one item are adjacent in q and out
+      const int64_t R = nq * hpi * G;
+      w.reserve(R, D, bs);
+      float* qf = w.q.data();
+      float* acc = w.acc.data();
+      float* m = w.m.data();
+      float* l = w.l.data();
+      float* s = w.s.data();
+      for (int64_t i = 0; i < nq; ++i) {
+        float* qi = qf + i * hpi * G * D;
+        to_f32<E>(q + ((q0 + i) * Hq + h0 * G) * D, qi, hpi * G * D);
+        for (int64_t d = 0; d < hpi * G * D; ++d) qi[d] *= a.scale;
+      }
+      std::fill(m, m + R, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + R, 0.0f);
+      std::fill(acc, acc + R * D, 0.0f);
+
+      for (int64_t j = 0; j < nblk; ++j) {
+        const int64_t ntok = std::min(bs, L - j * bs);
+        const int64_t base = int64_t(table[j]) * blk_stride;
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t i = r / (hpi * G), hh = r / G % hpi;
+          // query i sits at position L - nq + i and sees keys at positions <= its own
+          const int64_t nvis = std::min(ntok, L - nq + i - j * bs + 1);
+          if (nvis <= 0) continue;
+          const int64_t off = base + (h0 + hh) * D;
+          Ops::scores(qf + r * D, kc + off, tok_stride, nvis, D, w.row.data(), s);
+          float bmax = s[0];
+          for (int64_t t = 1; t < nvis; ++t) bmax = s[t] > bmax ? s[t] : bmax;
+          const float m_new = std::max(m[r], bmax);
+          const float alpha = std::exp(m[r] - m_new);  // 0 on the first visible block (m = -inf)
+          for (int64_t t = 0; t < nvis; ++t) s[t] = exp_nonpositive(s[t] - m_new);
+          float sum = 0.0f;
+          for (int64_t t = 0; t < nvis; ++t) sum += s[t];
+          l[r] = l[r] * alpha + sum;
+          m[r] = m_new;
+          Ops::weighted_sum(acc + r * D, alpha, s, vc + off, tok_stride, nvis, D, w.row.data());
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const float inv = 1.0f / l[r];  // l >= 1: every query sees at least its own key
+        const float* ar = acc + r * D;
+        const int64_t i = r / (hpi * G), hg = r % (hpi * G);  // hg: query head h0 * G + hg
+        T* o = out + ((q0 + i) * Hq + h0 * G + hg) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = E::from(ar[d] * inv);
+      }
+    }
+  }
+  return error.load();
+}
+
+template <class E>
+int attend_any_dim(const Args& a) {
+  switch (a.D) {
+    case 64: return attend<E, 64>(a);
+    case 128: return attend<E, 128>(a);
+    default: return attend<E, 0>(a);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or: 1 a block id outside [0, num_blocks), 2 a sequence whose blocks or query length do not
+// fit its context (q_len > seq_len or seq_len > max_blocks * block_size). Nothing is read out of bounds:
+// an item checks its sequence before touching memory, and a failed item writes no output.
+int sluice_paged_attention(
+    void* out, const void* q, const void* k_cache, const void* v_cache, int dtype,
+    const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks,
+    const int32_t* cu_seqlens_q, const int32_t* seq_lens, int64_t num_seqs,
+    int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+    float scale, int64_t max_q_len, int num_threads) {
+  const Args a{out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, bt_stride, max_blocks, num_seqs,
+               num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_q_len, scale, num_threads};
+  switch (dtype) {
+    case kBF16: return attend_any_dim<BF16>(a);
+    case kF16: return attend_any_dim<F16>(a);
+    default: return attend_any_dim<F32>(a);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,119 @@
+"""The native CPU paged attention (`kernels/cpu.py`, `csrc/paged_attention_cpu.cpp`) equals the torch twin.
+
+Both builds are checked: the default one (`-march=native`: the AVX-512 path on CPUs that have it, for head
+dims 64 and 128) and one compiled without AVX-512, which takes the plain C++ loops everywhere.
+"""
+from __future__ import annotations
+
+import logging
+import platform
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu, reference
+from tests.kernels.common import DTYPES, TOLERANCES, PagedBatch, paged_batch
+
+MIXED = ([1, 7, 1, 12, 1, 40, 0], [30, 9, 0, 0, 16, 25, 5])  # decodes, chunks, a whole prompt, an idle row
+
+
+def _cpu(batch: PagedBatch) -> PagedBatch:
+    return PagedBatch(*(t.cpu() for t in batch.args()))
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict:
+    cache = tmp_path_factory.mktemp("kernels")
+    fns = {"native": cpu.bind(cpu.build(cache))}
+    if platform.machine() in ("x86_64", "AMD64"):
+        fns["no-avx512"] = cpu.bind(cpu.build(cache, (*cpu.FLAGS, "-mno-avx512f")))
+    return fns
+
+
+def _check(fn, batch: PagedBatch, scale: float = 0.3, **kw) -> None:
+    out = cpu.paged_attention(*batch.args(), scale, fn=fn, **kw)
+    ref = reference.paged_attention(*batch.args(), scale)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, **TOLERANCES[batch.q.dtype])
+
+
+@pytest.mark.parametrize("build", ["native", "no-avx512"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+def test_equals_the_twin(builds, build, dtype, head_dim):
+    if build not in builds:
+        pytest.skip("x86-only build variant")
+    batch = _cpu(paged_batch(*MIXED, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype))
+    _check(builds[build], batch)  # the 40-token prompt goes to the twin (MAX_Q_LEN)
+    _check(builds[build], batch, max_q_len=1 << 30)  # every row through the native kernel, causal mask included
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 48])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1), (6, 3)], ids=["gqa1", "gqa4", "gqa8", "gqa2-odd"])
+def test_block_sizes_and_gqa(builds, block_size, heads):
+    hq, hkv = heads
+    batch = _cpu(paged_batch(*MIXED, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, block_size=block_size))
+    for fn in builds.values():
+        _check(fn, batch, max_q_len=1 << 30)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 40])
+def test_work_split_over_heads_and_long_contexts(builds, num_seqs):
+    """Few sequences split their KV heads over the threads; a 1,500-token context spans many blocks."""
+    lens = [1500] + [37 * (b + 1) for b in range(num_seqs - 1)]
+    batch = _cpu(paged_batch([1] * num_seqs, lens, num_q_heads=8, num_kv_heads=4, head_dim=64, block_size=16))
+    for fn in builds.values():
+        _check(fn, batch)
+
+
+def test_block_tables_may_be_a_strided_view(builds):
+    """The model runner passes `block_tables[:B, :max_blocks]` of a wider buffer."""
+    b = _cpu(paged_batch(*MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8))
+    wide = torch.full((b.block_tables.shape[0] + 2, b.block_tables.shape[1] + 5), -7, dtype=torch.int32)
+    wide[: b.block_tables.shape[0], : b.block_tables.shape[1]] = b.block_tables
+    view = wide[: b.block_tables.shape[0], : b.block_tables.shape[1]]
+    assert not view.is_contiguous()
+    out = cpu.paged_attention(b.q, b.k_cache, b.v_cache, view, b.cu_seqlens_q, b.seq_lens, 0.3, fn=builds["native"])
+    torch.testing.assert_close(out, reference.paged_attention(*b.args(), 0.3), **TOLERANCES[torch.float32])
+
+
+def test_bad_input_is_refused_not_read(builds):
+    fn = builds["native"]
+    b = _cpu(paged_batch([1, 1], [20, 5], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8))
+    bad = b.block_tables.clone()
+    bad[0, 1] = b.k_cache.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        cpu.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, fn=fn)
+    bad[0, 1] = -1
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        cpu.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, fn=fn)
+    long = b.seq_lens.clone()
+    long[1] = 8 * b.block_tables.shape[1] + 1  # more context than the table can hold
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, long, 0.3, fn=fn)
+    with pytest.raises(TypeError, match="int32"):
+        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables.long(), b.cu_seqlens_q, b.seq_lens, 0.3, fn=fn)
+    with pytest.raises(TypeError, match="share"):
+        cpu.paged_attention(b.q.bfloat16(), b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, 0.3, fn=fn)
+    with pytest.raises(ValueError, match="rise"):
+        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q.flip(0), b.seq_lens, 0.3, fn=fn)
+
+
+def test_without_a_compiler_the_twin_serves(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cpu, "_fn", None)
+    with caplog.at_level(logging.WARNING, logger="sluice.kernels"):
+        assert cpu.load(tmp_path, cxx=str(tmp_path / "no-such-compiler")) is False
+    assert "torch path" in caplog.text
+    assert kernels.attention_backend(torch.device("cpu")) == "torch"
+    b = _cpu(paged_batch([1, 3], [4, 2], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=8))
+    torch.testing.assert_close(kernels.paged_attention(*b.args(), 0.5), reference.paged_attention(*b.args(), 0.5))
+
+
+def test_a_failed_build_reports_the_compiler_error(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cpu, "_fn", None)
+    monkeypatch.setattr(cpu, "FLAGS", (*cpu.FLAGS, "-DSLUICE_BROKEN", "-include", "no/such/header.h"))
+    with caplog.at_level(logging.WARNING, logger="sluice.kernels"):
+        assert cpu.load(tmp_path) is False
+    assert "no/such/header.h" in caplog.text
+    assert not list(tmp_path.glob("*.so"))  # nothing half-built is left to be loaded later
