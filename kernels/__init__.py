@@ -1,10 +1,9 @@
 """Kernel ops used by the model forward (DESIGN.md §8), dispatched per call.
 
-Triton kernels serve CUDA tensors, the torch twins in `reference.py` serve CPU tensors, except
-attention, which on CPU runs the native kernel of `cpu.py` once `cpu.load()` has built it (the
-model runner does). `SLUICE_KERNELS=triton|torch|auto` (read once, at import) forces one side:
-`torch` means the twins only; tests use `triton` with `TRITON_INTERPRET=1` to run the Triton
-kernels on CPU tensors.
+Triton kernels serve CUDA tensors. CPU tensors get the native kernels of `cpu.py` once `cpu.load()`
+has built them (the engine does, on a CPU device), else the torch twins in `reference.py`.
+`SLUICE_KERNELS=triton|torch|auto` (read once, at import) forces one side: `torch` means the twins
+only; tests use `triton` with `TRITON_INTERPRET=1` to run the Triton kernels on CPU tensors.
 """
 from __future__ import annotations
 

@@ -1,13 +1,15 @@
-"""Native CPU paged attention (`csrc/paged_attention_cpu.cpp`), built on first use with the system C++ compiler.
+"""Native CPU kernels (`csrc/`), built on first use with the system C++ compiler and called through ctypes.
 
-The torch twin in `reference.py` gathers every sequence's KV blocks into a fresh tensor per layer and then
-runs SDPA; on CPU that copy is most of a decode step. This kernel reads the paged cache in place. Prefill
-chunks longer than `MAX_Q_LEN` still go to the twin: CPU SDPA's flash kernel runs them as matmuls, and
-the gather is paid once for many queries.
+- `paged_attention` reads the paged KV cache in place. The torch twin in `reference.py` gathers every
+  sequence's KV blocks into a fresh tensor per layer and then runs SDPA; on CPU that copy was most of a
+  decode step. Prefill chunks longer than `MAX_Q_LEN` still go to the twin: CPU SDPA's flash kernel
+  runs them as matmuls, and the gather is paid once for many queries.
+- `rms_norm`, `rotary_embedding`, `store_kv`, `silu_and_mul`: each one pass over its rows instead of
+  4-25 small torch ops (a decode step of a small batch is mostly op dispatch otherwise).
 
-`load(cache_dir)` compiles the source once per (source, flags, compiler, CPU) into `cache_dir`
-(concurrent processes wait on a file lock) and loads it; without a compiler, or if the build fails,
-it logs why and returns False, and the twin serves.
+Same signatures and contracts as the twins (DESIGN.md §8). `load(cache_dir)` compiles the sources once per
+(sources, flags, compiler, CPU) into `cache_dir` (concurrent processes wait on a file lock) and loads them;
+without a compiler, or if the build fails, it logs why and returns False, and the twins serve.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,16 +32,30 @@ from kernels import reference
 
 log = logging.getLogger("sluice.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp")
+HEADERS = (CSRC / "cpu_common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-Wall")
 MAX_Q_LEN = 16  # longer query runs (prefill chunks) go to the SDPA twin
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/cpu_common.h Dtype
 ERRORS = {
     1: "a block table entry is outside the KV cache",
     2: "a sequence's query length or context does not fit its block table",
 }
 
-_fn = None  # the loaded C entry point
+
+@dataclass(frozen=True)
+class Native:
+    """The C entry points of one built library."""
+
+    paged_attention: ctypes._CFuncPtr
+    rms_norm: ctypes._CFuncPtr
+    rotary: ctypes._CFuncPtr
+    store_kv: ctypes._CFuncPtr
+    silu_and_mul: ctypes._CFuncPtr
+
+
+_lib: Native | None = None  # set by load()
 
 
 def _cpu_id() -> str:
@@ -54,7 +71,7 @@ def _compile(cxx: str, flags: tuple[str, ...], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     except BaseException:
         os.unlink(tmp)
@@ -62,7 +79,7 @@ def _compile(cxx: str, flags: tuple[str, ...], out: Path) -> None:
 
 
 def build(cache_dir: Path, flags: tuple[str, ...] | None = None, cxx: str | None = None) -> Path:
-    """Compiles the kernel once per (source, flags, compiler, CPU) into `cache_dir`; returns the .so path.
+    """Compiles the library once per (sources, flags, compiler, CPU) into `cache_dir`; returns the .so path.
 
     Raises FileNotFoundError without a compiler, CalledProcessError (with the compiler's stderr) on
     a failed build.
@@ -72,47 +89,149 @@ def build(cache_dir: Path, flags: tuple[str, ...] | None = None, cxx: str | None
     if cxx is None:
         raise FileNotFoundError("no C++ compiler (c++, g++ or $CXX)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((*flags, version, _cpu_id())).encode()).hexdigest()[:16]
+    text = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(text + "\0".join((*flags, version, _cpu_id())).encode()).hexdigest()[:16]
     cache_dir.mkdir(parents=True, exist_ok=True)
-    so = cache_dir / f"paged_attention_cpu-{key}.so"
+    so = cache_dir / f"sluice_cpu-{key}.so"
     with open(cache_dir / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent process may be compiling the same file
         if not so.is_file():
-            log.info("compiling the CPU attention kernel into %s", so)
+            log.info("compiling the native CPU kernels into %s", so)
             _compile(cxx, flags, so)
     return so
 
 
-def bind(so: Path):
-    """The kernel's C entry point from a built library, with its argument types declared."""
-    fn = ctypes.CDLL(str(so)).sluice_paged_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, i64, ptr, ptr, i64,
-                   i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+def bind(so: Path) -> Native:
+    """The library's C entry points, with their argument types declared."""
+    lib = ctypes.CDLL(str(so))
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+
+    def fn(name: str, *argtypes):
+        f = getattr(lib, name)
+        f.argtypes, f.restype = list(argtypes), i32
+        return f
+
+    return Native(
+        paged_attention=fn("sluice_paged_attention", ptr, ptr, ptr, ptr, i32, ptr, i64, i64, ptr, ptr, i64,
+                           i64, i64, i64, i64, i64, f32, i64, i32),
+        rms_norm=fn("sluice_rms_norm", ptr, ptr, ptr, ptr, ptr, i32, i64, i64, f32, i32),
+        rotary=fn("sluice_rotary", ptr, ptr, ptr, ptr, i64, i32, i64, i64, i64, i64, i64, i32, i32),
+        store_kv=fn("sluice_store_kv", ptr, ptr, ptr, ptr, ptr, i64, i64, i64),
+        silu_and_mul=fn("sluice_silu_and_mul", ptr, ptr, i32, i64, i64, i32),
+    )
 
 
 def load(cache_dir: Path, cxx: str | None = None) -> bool:
-    """Builds (once) and loads the kernel for `paged_attention`; False, with a warning, where impossible."""
-    global _fn
-    if _fn is not None:
+    """Builds (once) and loads the kernels the dispatcher uses; False, with a warning, where impossible."""
+    global _lib
+    if _lib is not None:
         return True
     try:
-        _fn = bind(build(cache_dir, cxx=cxx))
+        _lib = bind(build(cache_dir, cxx=cxx))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = (getattr(e, "stderr", None) or str(e)).strip()[-2000:]
-        log.warning("CPU attention kernel unavailable, attention uses the slower torch path: %s", detail)
+        log.warning("native CPU kernels unavailable, the slower torch path serves: %s", detail)
         return False
     return True
 
 
 def loaded() -> bool:
-    return _fn is not None
+    return _lib is not None
 
 
-def supports(q: torch.Tensor) -> bool:
-    return _fn is not None and q.device.type == "cpu" and q.dtype in DTYPES
+def supports(t: torch.Tensor) -> bool:
+    return _lib is not None and t.device.type == "cpu" and t.dtype in DTYPES
+
+
+def _need(lib: Native | None) -> Native:
+    lib = lib or _lib
+    if lib is None:
+        raise RuntimeError("kernels.cpu.load() has not succeeded")
+    return lib
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+    lib: Native | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    lib = _need(lib)
+    if (x.dim() != 2 or weight.shape != x.shape[-1:] or weight.dtype != x.dtype
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))):
+        return reference.rms_norm(x, weight, eps, residual)
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    res_out = None if residual is None else torch.empty_like(x)
+    res_in = None if residual is None else residual.contiguous()
+    lib.rms_norm(out.data_ptr(), x.data_ptr(), None if res_in is None else res_in.data_ptr(),
+                 None if res_out is None else res_out.data_ptr(), weight.data_ptr(), DTYPES[x.dtype],
+                 x.shape[0], x.shape[1], float(eps), _threads())
+    return out if residual is None else (out, res_out)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, rot_dim] float32
+    is_neox: bool = True,
+    lib: Native | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q and k in place (they must be contiguous, else the twin serves) and returns them."""
+    lib = _need(lib)
+    T, Hq, D = q.shape
+    rot = cos_sin_cache.shape[-1]
+    if (not (q.is_contiguous() and k.is_contiguous()) or k.dtype != q.dtype or k.shape[0] != T or k.shape[2] != D
+            or cos_sin_cache.dtype != torch.float32 or rot > D or rot % 2 or positions.device.type != "cpu"):
+        return reference.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+    pos = positions.to(torch.int64).contiguous()
+    cs = cos_sin_cache.contiguous()
+    if pos.shape != (T,):
+        raise ValueError(f"positions must be [T={T}], got {tuple(positions.shape)}")
+    if lib.rotary(pos.data_ptr(), q.data_ptr(), k.data_ptr(), cs.data_ptr(), cs.shape[0], DTYPES[q.dtype],
+                  T, Hq, k.shape[1], D, rot, int(is_neox), _threads()):
+        raise IndexError(f"a position is outside the rotary cache of {cs.shape[0]} positions")
+    return q, k
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int, -1 skips
+    lib: Native | None = None,
+) -> None:
+    lib = _need(lib)
+    T = k.shape[0]
+    row = k.shape[1:]
+    if (k.dtype != k_cache.dtype or v.dtype != k.dtype or v_cache.dtype != k.dtype or v.shape != k.shape
+            or k_cache.shape != v_cache.shape or k_cache.shape[2:] != row
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    k, v = k.contiguous(), v.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.shape != (T,):
+        raise ValueError(f"slot_mapping must be [T={T}], got {tuple(slot_mapping.shape)}")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if lib.store_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), T,
+                    k[0].numel() * k.element_size() if T else 0, num_slots):
+        raise IndexError(f"a slot is outside the KV cache of {num_slots} slots")
+
+
+def silu_and_mul(x: torch.Tensor, lib: Native | None = None) -> torch.Tensor:  # [..., 2d] -> [..., d]
+    lib = _need(lib)
+    d = x.shape[-1] // 2
+    x = x.contiguous()
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    lib.silu_and_mul(out.data_ptr(), x.data_ptr(), DTYPES[x.dtype], x.numel() // max(2 * d, 1) if d else 0, d, _threads())
+    return out
 
 
 def paged_attention(
@@ -124,12 +243,10 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     max_q_len: int = MAX_Q_LEN,
-    fn=None,  # a `bind()` result (tests); default: the loaded kernel
+    lib: Native | None = None,
 ) -> torch.Tensor:
     """`reference.paged_attention`'s contract; sequences with more than `max_q_len` new tokens go to it."""
-    fn = fn or _fn
-    if fn is None:
-        raise RuntimeError("kernels.cpu.load() has not succeeded")
+    lib = _need(lib)
     T, Hq, D = q.shape
     nb, bs, Hkv, Dk = k_cache.shape
     B = seq_lens.shape[0]
@@ -149,7 +266,7 @@ def paged_attention(
     if cu[0] != 0 or cu[-1] != T or any(a > b for a, b in itertools.pairwise(cu)):
         raise ValueError(f"cu_seqlens_q must rise from 0 to T={T}")
     out = torch.empty_like(q)
-    err = fn(
+    err = lib.paged_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPES[q.dtype],
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), B,

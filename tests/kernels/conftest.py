@@ -8,8 +8,23 @@ send every later test's engine through the (slow) interpreter. Tests call `kerne
 from __future__ import annotations
 
 import os
+import platform
 
+import pytest
 import torch
+
+from kernels import cpu
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="session")
+def native_builds(tmp_path_factory) -> dict[str, cpu.Native]:
+    """The native CPU kernels as the engine builds them and, on x86, built without AVX-512 (the plain
+    C++ loops that other CPUs run)."""
+    cache = tmp_path_factory.mktemp("kernels")
+    libs = {"native": cpu.bind(cpu.build(cache))}
+    if platform.machine() in ("x86_64", "AMD64"):
+        libs["no-avx512"] = cpu.bind(cpu.build(cache, (*cpu.FLAGS, "-mno-avx512f")))
+    return libs

@@ -1,12 +1,11 @@
 """The native CPU paged attention (`kernels/cpu.py`, `csrc/paged_attention_cpu.cpp`) equals the torch twin.
 
-Both builds are checked: the default one (`-march=native`: the AVX-512 path on CPUs that have it, for head
+Both native_builds are checked: the default one (`-march=native`: the AVX-512 path on CPUs that have it, for head
 dims 64 and 128) and one compiled without AVX-512, which takes the plain C++ loops everywhere.
 """
 from __future__ import annotations
 
 import logging
-import platform
 
 import pytest
 import torch
@@ -22,17 +21,8 @@ def _cpu(batch: PagedBatch) -> PagedBatch:
     return PagedBatch(*(t.cpu() for t in batch.args()))
 
 
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory) -> dict:
-    cache = tmp_path_factory.mktemp("kernels")
-    fns = {"native": cpu.bind(cpu.build(cache))}
-    if platform.machine() in ("x86_64", "AMD64"):
-        fns["no-avx512"] = cpu.bind(cpu.build(cache, (*cpu.FLAGS, "-mno-avx512f")))
-    return fns
-
-
-def _check(fn, batch: PagedBatch, scale: float = 0.3, **kw) -> None:
-    out = cpu.paged_attention(*batch.args(), scale, fn=fn, **kw)
+def _check(lib, batch: PagedBatch, scale: float = 0.3, **kw) -> None:
+    out = cpu.paged_attention(*batch.args(), scale, lib=lib, **kw)
     ref = reference.paged_attention(*batch.args(), scale)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(out, ref, **TOLERANCES[batch.q.dtype])
@@ -41,67 +31,67 @@ def _check(fn, batch: PagedBatch, scale: float = 0.3, **kw) -> None:
 @pytest.mark.parametrize("build", ["native", "no-avx512"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
-def test_equals_the_twin(builds, build, dtype, head_dim):
-    if build not in builds:
+def test_equals_the_twin(native_builds, build, dtype, head_dim):
+    if build not in native_builds:
         pytest.skip("x86-only build variant")
     batch = _cpu(paged_batch(*MIXED, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype))
-    _check(builds[build], batch)  # the 40-token prompt goes to the twin (MAX_Q_LEN)
-    _check(builds[build], batch, max_q_len=1 << 30)  # every row through the native kernel, causal mask included
+    _check(native_builds[build], batch)  # the 40-token prompt goes to the twin (MAX_Q_LEN)
+    _check(native_builds[build], batch, max_q_len=1 << 30)  # every row through the native kernel, causal mask included
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 48])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1), (6, 3)], ids=["gqa1", "gqa4", "gqa8", "gqa2-odd"])
-def test_block_sizes_and_gqa(builds, block_size, heads):
+def test_block_sizes_and_gqa(native_builds, block_size, heads):
     hq, hkv = heads
     batch = _cpu(paged_batch(*MIXED, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, block_size=block_size))
-    for fn in builds.values():
-        _check(fn, batch, max_q_len=1 << 30)
+    for lib in native_builds.values():
+        _check(lib, batch, max_q_len=1 << 30)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 40])
-def test_work_split_over_heads_and_long_contexts(builds, num_seqs):
+def test_work_split_over_heads_and_long_contexts(native_builds, num_seqs):
     """Few sequences split their KV heads over the threads; a 1,500-token context spans many blocks."""
     lens = [1500] + [37 * (b + 1) for b in range(num_seqs - 1)]
     batch = _cpu(paged_batch([1] * num_seqs, lens, num_q_heads=8, num_kv_heads=4, head_dim=64, block_size=16))
-    for fn in builds.values():
-        _check(fn, batch)
+    for lib in native_builds.values():
+        _check(lib, batch)
 
 
-def test_block_tables_may_be_a_strided_view(builds):
+def test_block_tables_may_be_a_strided_view(native_builds):
     """The model runner passes `block_tables[:B, :max_blocks]` of a wider buffer."""
     b = _cpu(paged_batch(*MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8))
     wide = torch.full((b.block_tables.shape[0] + 2, b.block_tables.shape[1] + 5), -7, dtype=torch.int32)
     wide[: b.block_tables.shape[0], : b.block_tables.shape[1]] = b.block_tables
     view = wide[: b.block_tables.shape[0], : b.block_tables.shape[1]]
     assert not view.is_contiguous()
-    out = cpu.paged_attention(b.q, b.k_cache, b.v_cache, view, b.cu_seqlens_q, b.seq_lens, 0.3, fn=builds["native"])
+    out = cpu.paged_attention(b.q, b.k_cache, b.v_cache, view, b.cu_seqlens_q, b.seq_lens, 0.3, lib=native_builds["native"])
     torch.testing.assert_close(out, reference.paged_attention(*b.args(), 0.3), **TOLERANCES[torch.float32])
 
 
-def test_bad_input_is_refused_not_read(builds):
-    fn = builds["native"]
+def test_bad_input_is_refused_not_read(native_builds):
+    lib = native_builds["native"]
     b = _cpu(paged_batch([1, 1], [20, 5], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8))
     bad = b.block_tables.clone()
     bad[0, 1] = b.k_cache.shape[0]  # one past the pool
     with pytest.raises(ValueError, match="outside the KV cache"):
-        cpu.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, fn=fn)
+        cpu.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
     bad[0, 1] = -1
     with pytest.raises(ValueError, match="outside the KV cache"):
-        cpu.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, fn=fn)
+        cpu.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
     long = b.seq_lens.clone()
     long[1] = 8 * b.block_tables.shape[1] + 1  # more context than the table can hold
     with pytest.raises(ValueError, match="does not fit"):
-        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, long, 0.3, fn=fn)
+        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, long, 0.3, lib=lib)
     with pytest.raises(TypeError, match="int32"):
-        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables.long(), b.cu_seqlens_q, b.seq_lens, 0.3, fn=fn)
+        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables.long(), b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
     with pytest.raises(TypeError, match="share"):
-        cpu.paged_attention(b.q.bfloat16(), b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, 0.3, fn=fn)
+        cpu.paged_attention(b.q.bfloat16(), b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
     with pytest.raises(ValueError, match="rise"):
-        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q.flip(0), b.seq_lens, 0.3, fn=fn)
+        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q.flip(0), b.seq_lens, 0.3, lib=lib)
 
 
 def test_without_a_compiler_the_twin_serves(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(cpu, "_fn", None)
+    monkeypatch.setattr(cpu, "_lib", None)
     with caplog.at_level(logging.WARNING, logger="sluice.kernels"):
         assert cpu.load(tmp_path, cxx=str(tmp_path / "no-such-compiler")) is False
     assert "torch path" in caplog.text
@@ -111,7 +101,7 @@ def test_without_a_compiler_the_twin_serves(tmp_path, monkeypatch, caplog):
 
 
 def test_a_failed_build_reports_the_compiler_error(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(cpu, "_fn", None)
+    monkeypatch.setattr(cpu, "_lib", None)
     monkeypatch.setattr(cpu, "FLAGS", (*cpu.FLAGS, "-DSLUICE_BROKEN", "-include", "no/such/header.h"))
     with caplog.at_level(logging.WARNING, logger="sluice.kernels"):
         assert cpu.load(tmp_path) is False
