@@ -47,7 +47,7 @@ def _dispatch(name: str, device_arg: int = 0):
         t = args[device_arg]
         if _use_triton(t):
             impl = getattr(_triton_ops(), name)
-        elif native is not None and cpu.supports(t):
+        elif native is not None and cpu.supports(name, t):
             impl = native
         else:
             impl = ref

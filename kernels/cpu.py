@@ -139,8 +139,13 @@ def loaded() -> bool:
     return _lib is not None
 
 
-def supports(t: torch.Tensor) -> bool:
-    return _lib is not None and t.device.type == "cpu" and t.dtype in DTYPES
+# fp16 elementwise ops stay on the twins: without a vector fp16 conversion the native loops run scalar.
+OP_DTYPES = {"paged_attention": set(DTYPES), "default": {torch.float32, torch.bfloat16}}
+
+
+def supports(op: str, t: torch.Tensor) -> bool:
+    """Whether the loaded library serves `op` for tensors like `t` (the dispatcher asks per call)."""
+    return _lib is not None and t.device.type == "cpu" and t.dtype in OP_DTYPES.get(op, OP_DTYPES["default"])
 
 
 def _need(lib: Native | None) -> Native:

@@ -96,7 +96,15 @@ def test_a_forward_on_native_ops_matches_the_twins(tiny_model_dir, monkeypatch):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[5 + i * 13 % 900 for i in range(n)] for n in (3, 40, 97)]
     native = eng.generate(prompts, params)
-    monkeypatch.setattr(cpu, "supports", lambda t: False)
+    monkeypatch.setattr(cpu, "supports", lambda op, t: False)
     twins = eng.generate(prompts, params)
     for a, b in zip(native, twins, strict=True):
         assert a.token_ids == b.token_ids
+
+
+def test_fp16_elementwise_ops_stay_on_the_twins(monkeypatch, native_builds):
+    """The native fp16 loops run scalar (no vector fp16 conversion): the dispatcher keeps them on torch."""
+    monkeypatch.setattr(cpu, "_lib", native_builds["native"])
+    half, bf16 = torch.zeros(2, dtype=torch.float16), torch.zeros(2, dtype=torch.bfloat16)
+    assert cpu.supports("paged_attention", half) and cpu.supports("rms_norm", bf16)
+    assert not any(cpu.supports(op, half) for op in ("rms_norm", "rotary_embedding", "store_kv", "silu_and_mul"))
