@@ -25,6 +25,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (fixed for every system)")
     ap.add_argument("--rounds", type=int, default=1, help="measured rounds per system, alternating (best kept)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int,
+                    help="offline: concurrency of every system (default 64: every request at once)")
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help="offline: step token budget of sluice and transformers-cb (default 2048, the engine's)")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
 
@@ -49,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=(args.model or common.default_model_dir()).resolve(),
         dtype=common.pick_dtype() if args.dtype == "auto" else args.dtype,
         threads=args.threads, quick=args.quick, out_dir=out, seed=args.seed, rounds=args.rounds,
-        progress=not args.no_progress, command=" ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
+        progress=not args.no_progress,
+        command=" ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
     )
     names = WORKLOADS if "all" in args.workload else tuple(dict.fromkeys(args.workload))
     print(f"bench: {', '.join(names)} | model {run.model_dir} | {run.dtype} | {run.threads} threads"

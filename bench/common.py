@@ -28,6 +28,9 @@ class Run:
     rounds: int = 1
     progress: bool = True
     command: str = "python -m bench"  # as invoked, recorded with the results
+    # offline only: engine limits, also the transformers baselines' batch size and budget (None: the defaults)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -5,7 +5,7 @@ MFU = useful model FLOPs (bench.common.FlopCounter) / wall time / bf16 matmul pe
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import matplotlib.pyplot as plt
 
@@ -25,7 +25,9 @@ class Sizes:
     max_num_batched_tokens: int
 
 
-FULL = Sizes(32, (32, 512), (32, 256), max_num_seqs=16, max_num_batched_tokens=512)
+# Every request at once (the engine's default max_num_seqs, 256, admits all 64) and the engine's default
+# budget; transformers-static then pads one batch of 64, transformers-cb gets the same limits.
+FULL = Sizes(64, (32, 512), (32, 256), max_num_seqs=64, max_num_batched_tokens=2048)
 QUICK = Sizes(6, (16, 64), (4, 16), max_num_seqs=4, max_num_batched_tokens=128)
 WARMUP = Sizes(2, (16, 32), (2, 4), max_num_seqs=4, max_num_batched_tokens=128)
 
@@ -40,6 +42,8 @@ def requests(run: Run, sz: Sizes, tag: str, vocab: int, seed_salt: str = "offlin
 
 def main(run: Run) -> dict:
     sz = QUICK if run.quick else FULL
+    limits = {"max_num_seqs": run.max_num_seqs, "max_num_batched_tokens": run.max_num_batched_tokens}
+    sz = replace(sz, **{k: v for k, v in limits.items() if v is not None})
     cfg = model_config(run.model_dir)
     vocab = cfg["vocab_size"]
     blocks = sz.max_num_seqs * -(-(sz.prompt_len[1] + sz.output_len[1]) // 16) + 64
