@@ -58,7 +58,7 @@ def serve(config: ServerConfig) -> int:
     # The legacy `websockets` protocol is the one DESIGN §9 names; uvicorn merely warns it will move.
     warnings.filterwarnings("ignore", message=".*`websockets` implementation is deprecated.*")
     ucfg = uvicorn.Config(
-        app, host=config.host, port=config.port, loop="uvloop", ws="websockets",
+        app, host=config.host, port=config.port, loop="uvloop", ws="websockets-sansio",
         ws_per_message_deflate=False,  # compression costs CPU per token frame and enables zip-bomb frames
         ws_max_size=config.max_message_bytes, lifespan="on", log_level=config.log_level,
         timeout_graceful_shutdown=2,  # after our own drain only the last bytes of HTTP responses remain
