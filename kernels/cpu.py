@@ -2,8 +2,8 @@
 
 - `paged_attention` reads the paged KV cache in place. The torch twin in `reference.py` gathers every
   sequence's KV blocks into a fresh tensor per layer and then runs SDPA; on CPU that copy was most of a
-  decode step. Prefill chunks longer than `MAX_Q_LEN` still go to the twin: CPU SDPA's flash kernel
-  runs them as matmuls, and the gather is paid once for many queries.
+  decode step. Prefill chunks longer than `MAX_Q_LEN` still gather and go to CPU SDPA's flash kernel,
+  which runs them as matmuls (the gather is paid once for many queries).
 - `rms_norm`, `rotary_embedding`, `store_kv`, `silu_and_mul`: each one pass over its rows instead of
   4-25 small torch ops (a decode step of a small batch is mostly op dispatch otherwise).
 
@@ -279,12 +279,44 @@ def paged_attention(
     )
     if err:
         raise ValueError(f"paged_attention: {ERRORS.get(err, f'error {err}')}")
-    long = [b for b in range(B) if cu[b + 1] - cu[b] > max_q_len]
-    if long:  # prefill chunks: gather once, then SDPA's flash kernel
-        rows = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in long])
-        sub_cu = torch.tensor([0] + [cu[b + 1] - cu[b] for b in long], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        idx = torch.tensor(long)
-        out[rows] = reference.paged_attention(
-            q[rows], k_cache, v_cache, block_tables[idx], sub_cu, seq_lens[idx], scale
-        )
+    for b in range(B):  # prefill chunks: gather once, then SDPA's flash kernel
+        n = cu[b + 1] - cu[b]
+        if n > max_q_len:
+            out[cu[b] : cu[b + 1]] = _prefill_attention(q[cu[b] : cu[b + 1]], k_cache, v_cache, block_tables[b],
+                                                        int(seq_lens[b]), scale)
     return out
+
+
+def _flash_op():
+    try:  # (output, logsumexp); torch's CPU flash kernel, which `scaled_dot_product_attention` calls
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_FLASH = _flash_op()
+
+
+def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                       L: int, scale: float) -> torch.Tensor:
+    """n new tokens at positions L-n..L-1 of one sequence -> [n, Hq, D].
+
+    SDPA's causal mask is aligned top-left, a chunk's is bottom-right, so instead of an n x L mask (built
+    per layer, and no masked tile skipped) this runs two flash passes: the chunk over its cached context
+    (no mask) and over itself (causal, which is then aligned), merged by their log-sum-exps.
+    """
+    n = q.shape[0]
+    if _FLASH is None or n > L:
+        return reference.paged_attention(q, k_cache, v_cache, table[None], torch.tensor([0, n], dtype=torch.int32),
+                                         torch.tensor([L], dtype=torch.int32), scale)
+    nb = -(-L // k_cache.shape[1])
+    k = reference._gather(k_cache, table, nb)[:, :L].transpose(1, 2)  # (1, Hkv, L, D)
+    v = reference._gather(v_cache, table, nb)[:, :L].transpose(1, 2)
+    qb = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
+    o, lse = _FLASH(qb, k[:, :, L - n :], v[:, :, L - n :], 0.0, True, scale=scale)
+    if n < L:
+        o_ctx, lse_ctx = _FLASH(qb, k[:, :, : L - n], v[:, :, : L - n], 0.0, False, scale=scale)
+        m = torch.maximum(lse, lse_ctx)
+        w, w_ctx = (lse - m).exp_().unsqueeze(-1), (lse_ctx - m).exp_().unsqueeze(-1)
+        o = ((o.float() * w + o_ctx.float() * w_ctx) / (w + w_ctx)).to(q.dtype)
+    return o[0].transpose(0, 1)  # (n, Hq, D)
