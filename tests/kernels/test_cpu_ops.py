@@ -108,3 +108,15 @@ def test_fp16_elementwise_ops_stay_on_the_twins(monkeypatch, native_builds):
     half, bf16 = torch.zeros(2, dtype=torch.float16), torch.zeros(2, dtype=torch.bfloat16)
     assert cpu.supports("paged_attention", half) and cpu.supports("rms_norm", bf16)
     assert not any(cpu.supports(op, half) for op in ("rms_norm", "rotary_embedding", "store_kv", "silu_and_mul"))
+
+
+def test_the_package_ships_every_kernel_source():
+    """Non-editable installs (the Docker image) compile from the installed package: csrc must be package data."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(cpu.__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels"]
+    shipped = {p for g in globs for p in (root / "kernels").glob(g)}
+    assert {*cpu.SOURCES, *cpu.HEADERS} <= shipped
+    assert set((root / "kernels" / "csrc").iterdir()) - {root / "kernels" / "csrc" / "__pycache__"} <= shipped
