@@ -4,7 +4,6 @@
 // Rows are split over OpenMP threads only when there are enough of them to pay for waking the threads.
 #include <omp.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -58,10 +57,10 @@ int rotary(const int64_t* pos, void* q_, void* k_, const float* cos_sin, int64_t
            int64_t Hkv, int64_t D, int64_t rot_dim, bool neox, int threads) {
   using T_ = typename E::T;
   const int64_t half = rot_dim / 2;
-  std::atomic<int> error{0};
+  for (int64_t t = 0; t < T; ++t)
+    if (pos[t] < 0 || pos[t] >= max_pos) return 1;  // before anything is rotated
 #pragma omp parallel for num_threads(threads) if (T * (Hq + Hkv) * D >= kParallelElements)
   for (int64_t t = 0; t < T; ++t) {
-    if (pos[t] < 0 || pos[t] >= max_pos) { error = 1; continue; }
     const float* cs = cos_sin + pos[t] * rot_dim;  // cos (half), then sin (half)
     for (int which = 0; which < 2; ++which) {
       const int64_t H = which ? Hkv : Hq;
@@ -77,7 +76,7 @@ int rotary(const int64_t* pos, void* q_, void* k_, const float* cos_sin, int64_t
       }
     }
   }
-  return error.load();
+  return 0;
 }
 
 template <class E>
@@ -120,7 +119,7 @@ int sluice_rms_norm(void* out, const void* x, const void* residual, void* residu
   return by_dtype<RmsNorm>(dtype, out, x, residual, residual_out, weight, T, H, eps, threads);
 }
 
-// Returns 1 if a position is outside the cos/sin cache, else 0 (that token is left unrotated).
+// Returns 1, having rotated nothing, if a position is outside the cos/sin cache; else 0.
 int sluice_rotary(const int64_t* positions, void* q, void* k, const float* cos_sin, int64_t max_pos, int dtype,
                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t rot_dim, int neox, int threads) {
   return by_dtype<Rotary>(dtype, positions, q, k, cos_sin, max_pos, T, Hq, Hkv, D, rot_dim, neox != 0, threads);

@@ -53,11 +53,13 @@ def test_rotary_in_place(lib, dtype, rows, neox, rot_dim):
     torch.testing.assert_close(k, rk, **TOL[dtype])
 
 
-def test_rotary_refuses_a_position_past_the_cache(lib):
+def test_rotary_refuses_a_position_past_the_cache_and_rotates_nothing(lib):
     q, k = _randn(3, 2, 16, dtype=torch.float32), _randn(3, 1, 16, dtype=torch.float32)
     cs = torch.ones(10, 16)
+    q0, k0 = q.clone(), k.clone()
     with pytest.raises(IndexError, match="rotary cache of 10"):
         cpu.rotary_embedding(torch.tensor([0, 10, 2]), q, k, cs, lib=lib)
+    assert torch.equal(q, q0) and torch.equal(k, k0)  # nothing rotated
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
