@@ -187,8 +187,8 @@ def main(run: Run) -> dict:
     alone.engine = eng = LLMEngine(cfg)
     rows: list[dict] = []
     lags: dict[int, np.ndarray] = {}
-    # NOTE: its runs are short and noisy (the client shares the cores), so serve alternates twice by default.
-    rounds = run.rounds if run.quick else max(run.rounds, 2)
+    # NOTE: its runs are short and noisy (the client shares the cores), so serve alternates three times by default.
+    rounds = run.rounds if run.quick else max(run.rounds, 3)
     server = Server(run, flags)
     try:
         server.wait_ready()
