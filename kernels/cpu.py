@@ -53,6 +53,7 @@ class Native:
     rotary: ctypes._CFuncPtr
     store_kv: ctypes._CFuncPtr
     silu_and_mul: ctypes._CFuncPtr
+    gather_kv: ctypes._CFuncPtr
 
 
 _lib: Native | None = None  # set by load()
@@ -118,6 +119,7 @@ def bind(so: Path) -> Native:
         rotary=fn("sluice_rotary", ptr, ptr, ptr, ptr, i64, i32, i64, i64, i64, i64, i64, i32, i32),
         store_kv=fn("sluice_store_kv", ptr, ptr, ptr, ptr, ptr, i64, i64, i64),
         silu_and_mul=fn("sluice_silu_and_mul", ptr, ptr, i32, i64, i64, i32),
+        gather_kv=fn("sluice_gather_kv", ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i32),
     )
 
 
@@ -283,7 +285,7 @@ def paged_attention(
         n = cu[b + 1] - cu[b]
         if n > max_q_len:
             out[cu[b] : cu[b + 1]] = _prefill_attention(q[cu[b] : cu[b + 1]], k_cache, v_cache, block_tables[b],
-                                                        int(seq_lens[b]), scale)
+                                                        int(seq_lens[b]), scale, lib)
     return out
 
 
@@ -297,8 +299,26 @@ def _flash_op():
 _FLASH = _flash_op()
 
 
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, L: int,
+              lib: Native | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first L tokens of a sequence's K and V, head-major: two [1, Hkv, L, D] tensors."""
+    lib = _need(lib)
+    nb, bs, Hkv, D = k_cache.shape
+    if table.dtype != torch.int32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise TypeError("gather_kv: the block table must be int32 and the caches contiguous")
+    if -(-L // bs) > table.shape[0]:
+        raise ValueError(f"a context of {L} tokens needs more blocks than the table's {table.shape[0]}")
+    k = torch.empty(1, Hkv, L, D, dtype=k_cache.dtype)
+    v = torch.empty_like(k)
+    table = table.contiguous()
+    if lib.gather_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), L, bs,
+                     Hkv, D, k_cache.element_size(), nb, _threads()):
+        raise ValueError("paged_attention: " + ERRORS[1])
+    return k, v
+
+
 def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                       L: int, scale: float) -> torch.Tensor:
+                       L: int, scale: float, lib: Native) -> torch.Tensor:
     """n new tokens at positions L-n..L-1 of one sequence -> [n, Hq, D].
 
     SDPA's causal mask is aligned top-left, a chunk's is bottom-right, so instead of an n x L mask (built
@@ -309,9 +329,7 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if _FLASH is None or n > L:
         return reference.paged_attention(q, k_cache, v_cache, table[None], torch.tensor([0, n], dtype=torch.int32),
                                          torch.tensor([L], dtype=torch.int32), scale)
-    nb = -(-L // k_cache.shape[1])
-    k = reference._gather(k_cache, table, nb)[:, :L].transpose(1, 2)  # (1, Hkv, L, D)
-    v = reference._gather(v_cache, table, nb)[:, :L].transpose(1, 2)
+    k, v = gather_kv(k_cache, v_cache, table, L, lib)  # (1, Hkv, L, D)
     qb = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
     o, lse = _FLASH(qb, k[:, :, L - n :], v[:, :, L - n :], 0.0, True, scale=scale)
     if n < L:

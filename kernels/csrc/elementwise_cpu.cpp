@@ -1,5 +1,5 @@
 // The per-token ops of a layer, fused, for CPUs: rms_norm (with the residual add), rotary embedding,
-// store_kv and silu_and_mul. Same contracts and roundings as their torch twins in kernels/reference.py
+// store_kv and silu_and_mul; and gather_kv, a prefill chunk's context for SDPA. Same contracts and roundings as their torch twins in kernels/reference.py
 // (DESIGN.md §8); each replaces 4-25 small torch ops, whose dispatch is most of a small decode step.
 // Rows are split over OpenMP threads only when there are enough of them to pay for waking the threads.
 #include <omp.h>
@@ -139,6 +139,27 @@ int sluice_store_kv(const void* k, const void* v, void* k_cache, void* v_cache, 
     if (slots[t] < 0) continue;
     std::memcpy(kc + slots[t] * row_bytes, kb + t * row_bytes, row_bytes);
     std::memcpy(vc + slots[t] * row_bytes, vb + t * row_bytes, row_bytes);
+  }
+  return 0;
+}
+
+// A prefill chunk's context, copied out of the paged caches head-major: k_out, v_out [Hkv, L, D] (what
+// SDPA's flash kernel reads fastest). Returns 1, having copied nothing, if a block id is outside the cache.
+int sluice_gather_kv(const void* k_cache, const void* v_cache, void* k_out, void* v_out, const int32_t* table,
+                     int64_t L, int64_t block_size, int64_t Hkv, int64_t D, int64_t elem_bytes, int64_t num_blocks,
+                     int threads) {
+  const int64_t nblk = (L + block_size - 1) / block_size;
+  for (int64_t j = 0; j < nblk; ++j)
+    if (table[j] < 0 || table[j] >= num_blocks) return 1;
+  const int64_t row = D * elem_bytes;  // one head of one token
+#pragma omp parallel for num_threads(threads) if (L * Hkv * D >= kParallelElements)
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t src = ((int64_t(table[t / block_size]) * block_size + t % block_size) * Hkv) * row;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t dst = (h * L + t) * row;
+      std::memcpy(static_cast<char*>(k_out) + dst, static_cast<const char*>(k_cache) + src + h * row, row);
+      std::memcpy(static_cast<char*>(v_out) + dst, static_cast<const char*>(v_cache) + src + h * row, row);
+    }
   }
   return 0;
 }

@@ -107,3 +107,19 @@ def test_a_failed_build_reports_the_compiler_error(tmp_path, monkeypatch, caplog
         assert cpu.load(tmp_path) is False
     assert "no/such/header.h" in caplog.text
     assert not list(tmp_path.glob("*.so"))  # nothing half-built is left to be loaded later
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gather_kv_is_the_twins_gather_head_major(native_builds, dtype):
+    b = _cpu(paged_batch([1], [45], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=dtype))
+    table, L = b.block_tables[0], int(b.seq_lens[0])
+    k, v = cpu.gather_kv(b.k_cache, b.v_cache, table, L, lib=native_builds["native"])
+    nb = -(-L // 8)
+    assert torch.equal(k, reference._gather(b.k_cache, table, nb)[:, :L].transpose(1, 2))
+    assert torch.equal(v, reference._gather(b.v_cache, table, nb)[:, :L].transpose(1, 2))
+    bad = table.clone()
+    bad[2] = b.k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        cpu.gather_kv(b.k_cache, b.v_cache, bad, L, lib=native_builds["native"])
+    with pytest.raises(ValueError, match="needs more blocks"):
+        cpu.gather_kv(b.k_cache, b.v_cache, table, 8 * table.shape[0] + 1, lib=native_builds["native"])
