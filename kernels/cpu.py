@@ -334,7 +334,6 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     o, lse = _FLASH(qb, k[:, :, L - n :], v[:, :, L - n :], 0.0, True, scale=scale)
     if n < L:
         o_ctx, lse_ctx = _FLASH(qb, k[:, :, : L - n], v[:, :, : L - n], 0.0, False, scale=scale)
-        m = torch.maximum(lse, lse_ctx)
-        w, w_ctx = (lse - m).exp_().unsqueeze(-1), (lse_ctx - m).exp_().unsqueeze(-1)
-        o = ((o.float() * w + o_ctx.float() * w_ctx) / (w + w_ctx)).to(q.dtype)
+        # the chunk's own part weighs e^lse / (e^lse + e^lse_ctx) = sigmoid(lse - lse_ctx)
+        o = torch.lerp(o_ctx.float(), o.float(), torch.sigmoid(lse - lse_ctx).unsqueeze(-1)).to(q.dtype)
     return o[0].transpose(0, 1)  # (n, Hq, D)
