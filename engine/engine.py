@@ -98,8 +98,8 @@ class LLMEngine:
             self.model, num_blocks, block_size, self.scheduler.whole_prompt_budget, config.max_num_seqs,
             max_model_len, self.device, self.dtype, config.seed,
         )
-        if self.device.type == "cpu":
-            kernels.cpu.load(sluice_home() / "build")  # native CPU attention; the torch twin otherwise
+        if self.device.type == "cpu" and kernels.MODE == "auto":
+            kernels.cpu.load(sluice_home() / "build")  # the native CPU kernels; the torch twins if that fails
         self.attention_backend = kernels.attention_backend(self.device)
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
