@@ -35,7 +35,8 @@ log = logging.getLogger("sluice.kernels")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp")
 HEADERS = (CSRC / "cpu_common.h",)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-Wall")
+# -Wno-maybe-uninitialized: GCC 12 flags its own _mm512_undefined_ps() inside the AVX-512 intrinsics
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-Wall", "-Wno-maybe-uninitialized")
 MAX_Q_LEN = 16  # longer query runs (prefill chunks) go to the SDPA twin
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/cpu_common.h Dtype
 ERRORS = {
