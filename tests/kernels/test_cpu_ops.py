@@ -2,15 +2,20 @@
 on one row and on enough rows to run threaded; bad positions and slots are refused before anything is written."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import tomllib
 import torch
 
+import kernels
+from engine import EngineConfig, LLMEngine, SamplingParams
 from kernels import cpu, reference
 from tests.kernels.common import DTYPES
 
 # Same roundings as the twins, so the only differences are fp32 summation order and exp: ~1 ulp of the dtype.
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+       torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2}}
 ROWS = [1, 7, 300]  # 300 x 512 elements takes the threaded path
 
 
@@ -88,11 +93,14 @@ def test_silu_and_mul(lib, dtype, rows):
     torch.testing.assert_close(cpu.silu_and_mul(x, lib=lib), reference.silu_and_mul(x), **TOL[dtype])
 
 
+def test_silu_and_mul_refuses_an_odd_width_as_the_twin_does(lib):
+    """Rows of 2d + 1 would otherwise be read with a stride of 2d: wrong numbers, no error."""
+    with pytest.raises(RuntimeError, match="must match"):
+        cpu.silu_and_mul(torch.randn(3, 9), lib=lib)
+
+
 def test_a_forward_on_native_ops_matches_the_twins(tiny_model_dir, monkeypatch):
     """The whole model: every op native (as the engine runs on CPU) vs every op a twin, same greedy tokens."""
-    import kernels
-    from engine import EngineConfig, LLMEngine, SamplingParams
-
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=32, max_model_len=256))
     assert kernels.attention_backend(torch.device("cpu")) == "cpu-native"
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -114,9 +122,6 @@ def test_fp16_elementwise_ops_stay_on_the_twins(monkeypatch, native_builds):
 
 def test_the_package_ships_every_kernel_source():
     """Non-editable installs (the Docker image) compile from the installed package: csrc must be package data."""
-    import tomllib
-    from pathlib import Path
-
     root = Path(cpu.__file__).resolve().parents[1]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels"]
     shipped = {p for g in globs for p in (root / "kernels").glob(g)}
