@@ -285,10 +285,12 @@ def paged_attention(
     if err:
         raise ValueError(f"paged_attention: {ERRORS.get(err, f'error {err}')}")
     for b in range(B):  # prefill chunks: gather once, then SDPA's flash kernel
-        n = cu[b + 1] - cu[b]
+        n, L = cu[b + 1] - cu[b], int(seq_lens[b])
         if n > max_q_len:
+            if n > L:  # as the native kernel checks the shorter ones
+                raise ValueError(f"paged_attention: {ERRORS[2]}")
             out[cu[b] : cu[b + 1]] = _prefill_attention(q[cu[b] : cu[b + 1]], k_cache, v_cache, block_tables[b],
-                                                        int(seq_lens[b]), scale, lib)
+                                                        L, scale, lib)
     return out
 
 
@@ -329,7 +331,7 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     (no mask) and over itself (causal, which is then aligned), merged by their log-sum-exps.
     """
     n = q.shape[0]
-    if _FLASH is None or n > L:
+    if _FLASH is None:
         return reference.paged_attention(q, k_cache, v_cache, table[None], torch.tensor([0, n], dtype=torch.int32),
                                          torch.tensor([L], dtype=torch.int32), scale)
     k, v = gather_kv(k_cache, v_cache, table, L, lib)  # (1, Hkv, L, D)

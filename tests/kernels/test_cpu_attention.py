@@ -82,6 +82,10 @@ def test_bad_input_is_refused_not_read(native_builds):
     long[1] = 8 * b.block_tables.shape[1] + 1  # more context than the table can hold
     with pytest.raises(ValueError, match="does not fit"):
         cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, long, 0.3, lib=lib)
+    b20 = _cpu(paged_batch([20], [4], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8))
+    short = b20.seq_lens - 5  # a 20-token chunk in a 19-token context, on the SDPA path (over MAX_Q_LEN)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu.paged_attention(b20.q, b20.k_cache, b20.v_cache, b20.block_tables, b20.cu_seqlens_q, short, 0.3, lib=lib)
     with pytest.raises(TypeError, match="int32"):
         cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables.long(), b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
     with pytest.raises(TypeError, match="share"):
