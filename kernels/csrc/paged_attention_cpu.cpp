@@ -2,7 +2,7 @@
 //
 // Same contract as `kernels.reference.paged_attention` (DESIGN.md §8), for the sequences whose query
 // length is at most `max_q_len` (the Python wrapper sends longer prefill chunks to SDPA). Plain C ABI,
-// called through ctypes: no torch headers, so it builds in about a second with any g++.
+// called through ctypes: no torch headers, so it builds in seconds with any g++.
 //
 // Decode attention on a CPU is bound by reading the cache, so a work item is one sequence and a group
 // of its KV heads (all of them unless the batch is too small to keep every thread busy): a block's
