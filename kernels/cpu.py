@@ -2,8 +2,9 @@
 
 - `paged_attention` reads the paged KV cache in place. The torch twin in `reference.py` gathers every
   sequence's KV blocks into a fresh tensor per layer and then runs SDPA; on CPU that copy was most of a
-  decode step. Prefill chunks longer than `MAX_Q_LEN` still gather and go to CPU SDPA's flash kernel,
-  which runs them as matmuls (the gather is paid once for many queries).
+  decode step. Prefill chunks longer than `MAX_Q_LEN` go, in bf16 on CPUs with AMX, to
+  `csrc/prefill_attention_amx.cpp` (one pass over the paged context in tile matmuls); elsewhere they
+  gather and take CPU SDPA's flash kernel, twice (context, then the chunk itself, causal) and merged.
 - `rms_norm`, `rotary_embedding`, `store_kv`, `silu_and_mul`: each one pass over its rows instead of
   4-25 small torch ops (a decode step of a small batch is mostly op dispatch otherwise).
 
@@ -33,7 +34,7 @@ from kernels import reference
 log = logging.getLogger("sluice.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp")
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "prefill_attention_amx.cpp", CSRC / "elementwise_cpu.cpp")
 HEADERS = (CSRC / "cpu_common.h",)
 # -Wno-maybe-uninitialized: GCC 12 flags its own _mm512_undefined_ps() inside the AVX-512 intrinsics
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-Wall", "-Wno-maybe-uninitialized")
@@ -43,6 +44,7 @@ ERRORS = {
     1: "a block table entry is outside the KV cache",
     2: "a sequence's query length or context does not fit its block table",
 }
+UNSUPPORTED = 3  # prefill_attention: no AMX in this build or process
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class Native:
     store_kv: ctypes._CFuncPtr
     silu_and_mul: ctypes._CFuncPtr
     gather_kv: ctypes._CFuncPtr
+    prefill_attention: ctypes._CFuncPtr
+    amx: bool  # prefill_attention can run: built with AMX, and the OS granted the tile state
 
 
 _lib: Native | None = None  # set by load()
@@ -121,6 +125,9 @@ def bind(so: Path) -> Native:
         store_kv=fn("sluice_store_kv", ptr, ptr, ptr, ptr, ptr, i64, i64, i64),
         silu_and_mul=fn("sluice_silu_and_mul", ptr, ptr, i32, i64, i64, i32),
         gather_kv=fn("sluice_gather_kv", ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i32),
+        prefill_attention=fn("sluice_prefill_attention", ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
+                             i64, f32, i32),
+        amx=bool(fn("sluice_prefill_attention_available")()),
     )
 
 
@@ -326,11 +333,24 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        L: int, scale: float, lib: Native) -> torch.Tensor:
     """n new tokens at positions L-n..L-1 of one sequence -> [n, Hq, D].
 
-    SDPA's causal mask is aligned top-left, a chunk's is bottom-right, so instead of an n x L mask (built
-    per layer, and no masked tile skipped) this runs two flash passes: the chunk over its cached context
-    (no mask) and over itself (causal, which is then aligned), merged by their log-sum-exps.
+    bf16 with AMX and a head dim that is a multiple of 64 (up to 256): the native AMX kernel, one pass.
+    Otherwise SDPA's flash kernel; its causal mask is aligned top-left, a chunk's is bottom-right, so
+    instead of an n x L mask (built per layer, and no masked tile skipped) this runs two flash passes:
+    the chunk over its cached context (no mask) and over itself (causal, which is then aligned), merged
+    by their log-sum-exps.
     """
     n = q.shape[0]
+    if lib.amx and q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 256:
+        out = torch.empty_like(q)
+        nb, bs, Hkv, D = k_cache.shape
+        table = table.contiguous()
+        err = lib.prefill_attention(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    table.data_ptr(), table.shape[0], n, L, q.shape[1], Hkv, D, bs, nb, float(scale),
+                                    _threads())
+        if err == 0:
+            return out
+        if err != UNSUPPORTED:
+            raise ValueError(f"paged_attention: {ERRORS.get(err, f'error {err}')}")
     if _FLASH is None:
         return reference.paged_attention(q, k_cache, v_cache, table[None], torch.tensor([0, n], dtype=torch.int32),
                                          torch.tensor([L], dtype=torch.int32), scale)
