@@ -176,7 +176,8 @@ def measure(systems: list, workload: Callable[[str], list[Req]], warmup: Callabl
             progress: bool = True) -> tuple[list[dict], dict[str, Trace]]:
     """Warms every system up once, then runs the measured workload `rounds` times, alternating systems
     (rotating the order each round); per system, the row (and trace) of its best-throughput round is kept:
-    on a shared host, noise only ever slows a run down.
+    on a shared host, noise only ever slows a run down. The row's `rounds` holds every round's numbers,
+    in round order, for ratios taken within a round (`report.paired_ratio`).
 
     `workload(tag)` / `warmup(tag)` build the requests (ids prefixed with `tag`); a system that raises
     gets a row with an `error` field instead of numbers, and the others still run.
@@ -203,7 +204,8 @@ def measure(systems: list, workload: Callable[[str], list[Req]], warmup: Callabl
             rows.append(error_row(s.name, errors[s.name]))
             continue
         r, traces[s.name] = max(runs[s.name], key=lambda rt: rt[0]["throughput_tok_s"] or 0.0)
-        rows.append(r)
+        numeric = [k for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        rows.append({**r, "rounds": {k: [rr.get(k) for rr, _ in runs[s.name]] for k in numeric}})
     return rows, traces
 
 

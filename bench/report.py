@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -28,6 +29,17 @@ def target(name: str, value: float | None, op: str, bound: float) -> dict:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
+
+
+def paired_ratio(a: dict, b: dict, key: str) -> float | None:
+    """The median over rounds of row a's `key` / row b's `key` in the same round (`driver.measure` rows).
+
+    A round runs the systems back to back, so a ratio within a round cancels the shared host's slow
+    swings in speed (2x between minutes here), which a ratio of each system's best round does not.
+    """
+    xs, ys = a.get("rounds", {}).get(key) or [], b.get("rounds", {}).get(key) or []
+    rs = [x / y for x, y in zip(xs, ys) if x is not None and y]
+    return statistics.median(rs) if rs else None
 
 
 def _fmt(v) -> str:

@@ -47,6 +47,7 @@ def test_results_follow_design_schema(results: Path, workload: str) -> None:
         assert row["throughput_tok_s"] > 0 and row["output_tokens"] > 0
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert row["itl_p50_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]
+        assert row["throughput_tok_s"] == max(row["rounds"]["throughput_tok_s"])  # every round kept, the best shown
     for t in data["targets"]:
         assert t["met"] in (True, False, None) and t["op"] in ("<=", ">=")
     assert (results / f"{workload}.md").read_text().startswith(f"# {workload}")
@@ -63,3 +64,13 @@ def test_engine_counters_tell_cache_on_from_off(results: Path) -> None:
 def test_stall_window_holds_the_long_prompt(results: Path) -> None:
     for row in json.loads((results / "stall.json").read_text())["rows"]:
         assert row["long_ttft_ms"] > 0 and row["window_gaps"] > 0, row
+
+
+def test_paired_ratio_is_the_median_of_same_round_ratios() -> None:
+    from bench.report import paired_ratio
+
+    fast_then_slow = {"rounds": {"tok_s": [100.0, 50.0, 60.0]}}
+    baseline = {"rounds": {"tok_s": [200.0, 55.0, 70.0]}}  # its best round met the other's fast one
+    assert paired_ratio(fast_then_slow, baseline, "tok_s") == pytest.approx(60 / 70)  # not 100 / 200
+    assert paired_ratio({"rounds": {"tok_s": [1.0, None]}}, {"rounds": {"tok_s": [4.0, 2.0]}}, "tok_s") == 0.25
+    assert paired_ratio({}, baseline, "tok_s") is None
