@@ -30,7 +30,7 @@ class Sizes:
     max_num_batched_tokens: int
 
 
-FULL = Sizes(32, 1024, (32, 64), 64, 8, 0.8, max_num_seqs=32, max_num_batched_tokens=512)
+FULL = Sizes(64, 1024, (32, 64), 64, 8, 0.8, max_num_seqs=32, max_num_batched_tokens=512)
 QUICK = Sizes(6, 128, (8, 16), 4, 2, 0.8, max_num_seqs=8, max_num_batched_tokens=256)
 WARMUP = Sizes(2, 32, (8, 16), 2, 0, 0.0, 0, 0)
 
