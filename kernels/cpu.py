@@ -142,6 +142,7 @@ def load(cache_dir: Path, cxx: str | None = None) -> bool:
         detail = (getattr(e, "stderr", None) or str(e)).strip()[-2000:]
         log.warning("native CPU kernels unavailable, the slower torch path serves: %s", detail)
         return False
+    log.info("native CPU kernels loaded; bf16 prefill chunks run on %s", "AMX tiles" if _lib.amx else "SDPA (no AMX)")
     return True
 
 
