@@ -2,15 +2,16 @@
 // (the last n are the chunk itself, causal), read from the paged cache. bf16 in and out, fp32 softmax.
 //
 // The SDPA path it replaces gathers the context, runs CPU flash twice (context unmasked, chunk causal,
-// because SDPA's causal mask is aligned top-left) and merges the two by their log-sum-exps; for a
-// 240-token chunk that was ~40% more time per score than one whole-prompt pass. Here it is one pass:
+// because SDPA's causal mask is aligned top-left) and merges the two by their log-sum-exps; a 240-token
+// chunk's attention cost ~1.5x its share of one whole-prompt pass that way. Here it is one pass:
 //  1. Repack, per KV head, K and V into the tile layouts AMX multiplies (VNNI: pairs of bf16 along the
 //     reduced dimension side by side), zero-padded to whole tiles. This replaces the gather.
-//  2. A work item is one KV head and 32 query rows; the rows are its G query heads' queries, query-major,
-//     so the rows of an item sit at a few adjacent positions and see almost the same keys. Per 256 keys:
-//     S = Q K^T in 16x16 fp32 tiles; the online-softmax update in AVX-512 (masked beyond each row's
-//     position, P rounded to bf16 as SDPA does); O += P V in tiles loaded from and stored to fp32 O.
-//     Key blocks past the item's last visible key are never touched.
+//  2. A work item is one KV head and 64 query rows; the rows are its G query heads' queries, query-major,
+//     so the rows of an item sit at a few adjacent positions and see almost the same keys, and each K or
+//     V tile loaded feeds four tile multiplies. Per 128 keys: S = Q K^T in 16x16 fp32 tiles; the
+//     online-softmax update in AVX-512, base 2 (masked beyond each row's position, P rounded to bf16 as
+//     SDPA does); O += P V in tiles loaded from and stored to fp32 O. Key blocks past the item's last
+//     visible key are never touched.
 // Plain C ABI like the other kernels. Without AMX at build time, or where the OS refuses the tile state,
 // it answers kUnsupported and the caller keeps the SDPA path.
 #include <omp.h>
@@ -156,14 +157,13 @@ struct Scratch {
 thread_local std::vector<uint16_t> t_qp, t_kp, t_vp;
 
 int attend(uint16_t* out, const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int32_t* table,
-           int64_t table_len, int64_t n, int64_t L, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t nb,
-           float scale, int threads) {
+           int64_t n, int64_t L, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t nb, float scale,
+           int threads) {
   const int64_t G = Hq / Hkv, rows = G * n, Rp = round_up(rows, QB), Lp = round_up(L, 64);
   const int64_t NKT = Lp / 16, NS = Lp / 32, KS = D / 32, DT = D / 16;
   const float scale2 = scale * 1.44269504088896341f;  // scores to base-2 exponents
   for (int64_t j = 0; j < (L + bs - 1) / bs; ++j)
     if (table[j] < 0 || table[j] >= nb) return kBadBlock;
-  (void)table_len;
 
   t_qp.resize(Hkv * Rp * D);
   t_kp.resize(Hkv * Lp * D);
@@ -331,7 +331,7 @@ int sluice_prefill_attention(void* out, const void* q, const void* k_cache, cons
 #if SLUICE_AMX
   if (!amx_permitted()) return kUnsupported;
   return attend(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
-                static_cast<const uint16_t*>(v_cache), table, table_len, n, L, num_q_heads, num_kv_heads, head_dim,
+                static_cast<const uint16_t*>(v_cache), table, n, L, num_q_heads, num_kv_heads, head_dim,
                 block_size, num_blocks, scale, num_threads);
 #else
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)table, (void)scale, (void)num_threads, (void)num_blocks;
