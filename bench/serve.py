@@ -3,12 +3,16 @@
 For each concurrency, N sessions each open a WebSocket (`/v1/ws`, shared/PROTOCOL.md), wait for
 `ready`, then all send one chat at once and read deltas to `done`. The engine-alone run adds the
 same templated prompts to an in-process `LLMEngine` at once. Tokens/s = completion tokens / (first
-send .. last `done`). The client runs in this process, on the same cores as the server, which
-biases against the server: the reported overhead is an upper bound.
+send .. last `done`). The client runs in this process, on the same cores as the server; it stands
+for clients on other machines, so its thread runs at niceness 19 and takes the CPU the server
+leaves idle (still some: the reported overhead is an upper bound). Its time stamps, and so the
+server rows' TTFT and ITL, include its own wait for a core.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -29,6 +34,9 @@ from bench import report
 from bench.common import Run
 from bench.driver import COUNTERS, EngineSystem, Req, Trace, error_row, ms, pct, summarize
 from engine import EngineConfig, LLMEngine
+
+
+CLIENT_NICE = 19
 
 
 @dataclass(frozen=True)
@@ -160,11 +168,19 @@ async def _sessions(url: str, reqs: list[Chat], bar) -> Trace:
     return tr
 
 
-def run_server(server: Server, reqs: list[Chat], desc: str, progress: bool) -> Trace:
+def run_server(server: Server, reqs: list[Chat], desc: str, progress: bool, nice: int = CLIENT_NICE) -> Trace:
+    """Runs the client in a thread of its own at niceness `nice` (Linux sets it per thread)."""
     import uvloop
 
-    with tqdm(total=sum(r.max_tokens for r in reqs), desc=desc, unit="tok", leave=False, disable=not progress) as bar:
-        return uvloop.run(_sessions(server.url, reqs, bar))
+    def client() -> Trace:
+        if nice:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        with tqdm(total=sum(r.max_tokens for r in reqs), desc=desc, unit="tok", leave=False, disable=not progress) as bar:
+            return uvloop.run(_sessions(server.url, reqs, bar))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(client).result()
 
 
 # -- the workload ----------------------------------------------------------------------------
@@ -212,9 +228,10 @@ def main(run: Run) -> dict:
                     server_runs.append((summarize(
                         f"server@{n}", tr, sessions=n, event_loop_lag_p99_ms=ms(pct(lag[:, 1], 99)),
                         event_loop_lag_max_ms=ms(lag[:, 1].max() if len(lag) else None)), lag))
-            base = _best(engine_runs)
+            base = {**_best(engine_runs), "rounds": {"throughput_tok_s": [r["throughput_tok_s"] for r in engine_runs]}}
             srow, lags[n] = _best(server_runs, key=lambda rl: rl[0])
-            srow["vs_engine"] = round(report.ratio(srow["throughput_tok_s"], base["throughput_tok_s"]) or 0.0, 3)
+            srow = {**srow, "rounds": {"throughput_tok_s": [r["throughput_tok_s"] for r, _ in server_runs]}}
+            srow["vs_engine"] = round(report.paired_ratio(srow, base, "throughput_tok_s") or 0.0, 3)
             rows += [base, srow]
     except Exception as e:  # noqa: BLE001 — e.g. the server never became healthy
         rows.append(error_row("server", f"{type(e).__name__}: {e}"))
@@ -226,7 +243,8 @@ def main(run: Run) -> dict:
     top = max(sz.sessions)
     s, e = by.get(f"server@{top}", {}), by.get(f"engine@{top}", {})
     targets = [
-        report.target(f"server / engine tok/s @{top} sessions", report.ratio(s.get("throughput_tok_s"), e.get("throughput_tok_s")), ">=", 0.9),
+        report.target(f"server / engine tok/s @{top} sessions (same round, median)", report.paired_ratio(s, e, "throughput_tok_s"),
+                      ">=", 0.9),
         report.target(f"event-loop lag p99 ms @{top} sessions", s.get("event_loop_lag_p99_ms"), "<=", 20.0),
     ]
 
