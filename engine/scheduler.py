@@ -105,16 +105,15 @@ class Scheduler:
     def _admit(self, batch: Batch, budget: int, chunked: bool) -> int:
         """Admits waiting requests first-come-first-served; returns how many were admitted."""
         cfg, admitted = self.config, 0
-        # prompts left mid-prefill by this step; a prompt that completes within it never counts
-        partial = self._mid_prefill_after(batch)
+        partial = sum(1 for r in batch.reqs if r.is_prefilling)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(batch) < cfg.max_num_seqs:
             req = self.waiting[0]
             cached = self.bm.match_prefix(req)
             num_cached = len(cached) * self.bm.block_size
             remaining = req.num_tokens - num_cached
-            n = min(remaining, budget, cfg.chunk_limit) if chunked else remaining
-            if chunked and n < remaining and partial >= cfg.max_num_partial_prefills:
+            if chunked and remaining > 1 and partial >= cfg.max_num_partial_prefills:
                 break
+            n = min(remaining, budget, cfg.chunk_limit) if chunked else remaining
             if n > budget:
                 break  # an unchunked prompt waits for a step of its own
             req.num_computed_tokens = num_cached
@@ -133,14 +132,8 @@ class Scheduler:
             batch.add(req, n)
             budget -= n
             admitted += 1
-            partial += n < remaining
+            partial += remaining > 1
         return admitted
-
-    def _mid_prefill_after(self, batch: Batch) -> int:
-        """Running prompts that this batch leaves unfinished (scheduled short of their end, or not at all)."""
-        n_new = {id(r): n for r, n in zip(batch.reqs, batch.num_new_tokens)}
-        return sum(1 for r in self.running
-                   if r.is_prefilling and r.num_computed_tokens + n_new.get(id(r), 0) < r.num_tokens)
 
     def _allocate_or_preempt(self, req: Request, n: int, batch: Batch) -> bool:
         """Allocates for `req`, preempting later-admitted, unscheduled requests while needed."""
