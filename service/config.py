@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the KV cache of shared prompt prefixes (default: on)")
     e.add_argument("--long-prefill-token-threshold", type=int, help="largest prefill chunk of one prompt")
-    e.add_argument("--max-num-partial-prefills", type=int, help="prompts mid-prefill at once")
+    e.add_argument("--max-num-partial-prefills", type=int, help="most prompts a step prefills (the cap counts whole prompts too)")
     e.add_argument("--seed", type=int, help="engine RNG seed")
     e.add_argument("--pin-system-prompt", action="append", metavar="FILE",
                    help="keep the KV cache of a system prompt (file content) forever; repeatable")
