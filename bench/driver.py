@@ -204,9 +204,14 @@ def measure(systems: list, workload: Callable[[str], list[Req]], warmup: Callabl
             rows.append(error_row(s.name, errors[s.name]))
             continue
         r, traces[s.name] = max(runs[s.name], key=lambda rt: rt[0]["throughput_tok_s"] or 0.0)
-        numeric = [k for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        rows.append({**r, "rounds": {k: [rr.get(k) for rr, _ in runs[s.name]] for k in numeric}})
+        rows.append(with_rounds(r, [rr for rr, _ in runs[s.name]]))
     return rows, traces
+
+
+def with_rounds(best: dict, rounds: list[dict]) -> dict:
+    """`best` plus `rounds`: each numeric key's value in every round, in round order (`report.paired_ratio`)."""
+    numeric = [k for k, v in best.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return {**best, "rounds": {k: [r.get(k) for r in rounds] for k in numeric}}
 
 
 ROW_KEYS = ("system", "throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from bench import report
 from bench.common import Run
-from bench.driver import COUNTERS, EngineSystem, Req, Trace, error_row, ms, pct, summarize
+from bench.driver import COUNTERS, EngineSystem, Req, Trace, error_row, ms, pct, summarize, with_rounds
 from engine import EngineConfig, LLMEngine
 
 
@@ -228,9 +228,9 @@ def main(run: Run) -> dict:
                     server_runs.append((summarize(
                         f"server@{n}", tr, sessions=n, event_loop_lag_p99_ms=ms(pct(lag[:, 1], 99)),
                         event_loop_lag_max_ms=ms(lag[:, 1].max() if len(lag) else None)), lag))
-            base = {**_best(engine_runs), "rounds": {"throughput_tok_s": [r["throughput_tok_s"] for r in engine_runs]}}
+            base = with_rounds(_best(engine_runs), engine_runs)
             srow, lags[n] = _best(server_runs, key=lambda rl: rl[0])
-            srow = {**srow, "rounds": {"throughput_tok_s": [r["throughput_tok_s"] for r, _ in server_runs]}}
+            srow = with_rounds(srow, [r for r, _ in server_runs])
             srow["vs_engine"] = round(report.paired_ratio(srow, base, "throughput_tok_s") or 0.0, 3)
             rows += [base, srow]
     except Exception as e:  # noqa: BLE001 — e.g. the server never became healthy
