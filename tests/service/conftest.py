@@ -19,9 +19,14 @@ from websockets.asyncio.client import ClientConnection, connect
 from tests.server import REPO, Server, free_port, start_server  # noqa: F401  (re-exported to the tests)
 
 # Flags of the shared server; the reference engine in test_ws.py is built from the same values.
-MAIN_ENGINE = {"num_kv_blocks": 1024, "block_size": 16, "max_model_len": 512, "max_num_batched_tokens": 256}
+MAIN_ENGINE = {"num_kv_blocks": 2048, "block_size": 16, "max_model_len": 4096, "max_num_batched_tokens": 256}
 MAIN_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in MAIN_ENGINE.items()] + [
     "--max-inflight-per-connection=4", "--max-message-bytes=65536"]
+# NOTE: a chat that must still be running when a test acts on it (cancel, hang up, close) asks for all the
+# context a short prompt leaves: thousands of engine steps by construction, so no CPU is fast enough to
+# finish it between the event the test waits for and its next move. Never a number of seconds.
+LONG = MAIN_ENGINE["max_model_len"] - 128
+TOO_LONG = "word " * 1500  # 4,500 prompt tokens (three a word): over max_model_len
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +76,18 @@ def check_chat_frames(frames: list[dict[str, Any]]) -> tuple[str, dict[str, Any]
     text = "".join(f["text"] for f in frames if f["type"] == "delta")
     assert sum(f["tokens"] for f in frames if f["type"] == "delta") <= frames[-1]["usage"]["completion_tokens"]
     return text, frames[-1]
+
+
+async def wait_running(ws: ClientConnection, n: int = 1, timeout: float = 20.0) -> dict[str, Any]:
+    """Poll `stats` until at least n requests run (admitted, past the queue)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        await send(ws, type="stats")
+        stats = await recv(ws)
+        if stats["num_running"] >= n:
+            return stats
+        assert time.monotonic() < deadline, f"nothing running: {stats}"
+        await asyncio.sleep(0.01)
 
 
 async def wait_engine_idle(ws: ClientConnection, timeout: float = 20.0) -> dict[str, Any]:

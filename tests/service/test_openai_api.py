@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service.conftest import Server, open_ws, wait_engine_idle
+from tests.service.conftest import LONG, MAIN_ENGINE, TOO_LONG, Server, open_ws, wait_engine_idle, wait_running
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
 
@@ -77,7 +76,7 @@ def test_openai_errors(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "word " * 700}])
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": TOO_LONG}])
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=MESSAGES, temperature=5)
@@ -95,14 +94,11 @@ def test_http_error_shapes(main_server: Server, model: str) -> None:
         assert r.status_code == 413
 
 
-def _post_and_hang_up(port: int, body: bytes, wait_s: float, stream: bool) -> None:
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        path = b"/v1/chat/completions"
-        s.sendall(b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        if stream:
-            s.recv(1)
-        time.sleep(wait_s)
+def _post(port: int, body: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return s
 
 
 def _abort_count(server: Server) -> float:
@@ -113,13 +109,20 @@ def _abort_count(server: Server) -> float:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_disconnect_aborts(main_server: Server, model: str, stream: bool) -> None:
+    """Hanging up while the request runs aborts it. The hang-up waits for the request to run (the stream's
+    first bytes, or `stats`), and the request has nearly the whole context still to generate."""
     before = _abort_count(main_server)
+    observer = await open_ws(main_server)
     body = httpx.Request("POST", "http://x", json={
-        "model": model, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": stream}).content
-    await asyncio.to_thread(_post_and_hang_up, main_server.port, body, 0.3, stream)
-    ws = await open_ws(main_server)
-    await wait_engine_idle(ws)
-    await ws.close()
+        "model": model, "messages": MESSAGES, "max_tokens": LONG, "ignore_eos": True, "stream": stream}).content
+    s = await asyncio.to_thread(_post, main_server.port, body)
+    with s:
+        if stream:
+            assert await asyncio.to_thread(s.recv, 1)  # headers come with the first output
+        else:
+            await wait_running(observer)
+    await wait_engine_idle(observer)
+    await observer.close()
     assert _abort_count(main_server) == before + 1
 
 
@@ -152,5 +155,5 @@ def test_metrics_match_requests(main_server: Server, client: openai.OpenAI, mode
     assert delta("sluice_num_steps_total") >= tokens
     assert delta("sluice_prefix_cache_queries_total") > 0
     assert after[("sluice_num_running", ())] == 0.0
-    assert after[("sluice_num_kv_blocks", ())] == 1024.0
+    assert after[("sluice_num_kv_blocks", ())] == MAIN_ENGINE["num_kv_blocks"]
     assert ("sluice_websocket_connections", ()) in after

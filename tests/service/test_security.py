@@ -13,7 +13,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tests.service.conftest import Server, check_chat_frames, collect, recv, send, start_server, user_chat
+from tests.service.conftest import LONG, MAIN_ENGINE, Server, check_chat_frames, collect, recv, send, start_server, user_chat
 
 KEY = "s3cret-key"
 ORIGIN = "http://chat.example"
@@ -28,7 +28,7 @@ def guarded(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tmp = tmp_path_factory.mktemp("guarded")
     (tmp / "system.txt").write_text(PINNED)
     server = start_server(
-        tmp, f"--pin-system-prompt={tmp / 'system.txt'}", "--num-kv-blocks=256", "--max-model-len=512", "--max-num-seqs=1",
+        tmp, f"--pin-system-prompt={tmp / 'system.txt'}", "--num-kv-blocks=512", f"--max-model-len={MAIN_ENGINE['max_model_len']}", "--max-num-seqs=1",
         f"--max-connections={MAX_CONNECTIONS}", f"--max-queued-requests={MAX_QUEUED}",
         f"--allowed-origins=http://other.example,{ORIGIN}", env={"SLUICE_API_KEY": KEY, "SLUICE_FAULT_INJECT": FAULT})
     yield server
@@ -103,7 +103,7 @@ async def test_max_connections(guarded: Server) -> None:
 
 async def test_overloaded_queue(guarded: Server) -> None:
     ws = await authed(guarded)
-    await ws.send(json.dumps(user_chat("run", "hello", max_tokens=300, ignore_eos=True)))
+    await ws.send(json.dumps(user_chat("run", "hello", max_tokens=LONG, ignore_eos=True)))
     assert (await recv(ws))["type"] == "start"  # runs now (--max-num-seqs=1): the queue is empty
     waiting = [f"w{k}" for k in range(MAX_QUEUED)]
     for i in [*waiting, "refused"]:

@@ -14,9 +14,9 @@ import urllib.request
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from tests.service.conftest import REPO, check_chat_frames, free_port, open_ws, recv, start_server, user_chat
+from tests.service.conftest import LONG, REPO, check_chat_frames, free_port, open_ws, recv, start_server, user_chat
 
-TOKENS = 150
+TOKENS = LONG  # still streaming when the late chat arrives, however fast the CPU
 
 
 def _health_refused(url: str) -> bool:
@@ -28,7 +28,7 @@ def _health_refused(url: str) -> bool:
 
 
 async def test_sigterm_lets_the_stream_finish_then_exits_0(tiny_model_dir, tmp_path) -> None:
-    server = start_server(tmp_path, "--num-kv-blocks=128", "--timeout-graceful-shutdown=60")
+    server = start_server(tmp_path, "--num-kv-blocks=512", "--timeout-graceful-shutdown=60")
     try:
         ws = await open_ws(server)
         await ws.send(json.dumps(user_chat("s", "tell me everything", max_tokens=TOKENS, ignore_eos=True)))

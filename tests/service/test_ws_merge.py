@@ -17,10 +17,12 @@ class StalledSocket:
 
     def __init__(self) -> None:
         self.gate = asyncio.Event()
+        self.sending = asyncio.Event()
         self.sent: list[dict] = []
         self.close_code: int | None = None
 
     async def send_text(self, data: str) -> None:
+        self.sending.set()
         await self.gate.wait()
         self.sent.append(json.loads(data))
 
@@ -41,7 +43,7 @@ async def test_slow_reader_gets_merged_deltas_then_done() -> None:
     handle.prompt_tokens, handle.cached_tokens = 7, 4
     handle.push("Hel", 1, None)
     handle.notify()
-    await asyncio.sleep(0.01)  # the writer is now stuck sending `start`
+    await asyncio.wait_for(sock.sending.wait(), 5)  # the writer is now stuck sending `start`
     for piece in ["lo", ", ", "wor", "ld"]:  # four more engine steps while the reader sleeps
         handle.push(piece, 1, None)
         handle.notify()
