@@ -68,7 +68,7 @@ class _Common(Struct):
     n: int = 1
     stream: bool = False
     stream_options: _StreamOptions | None = None
-    stop: StopString | Annotated[list[StopString], Meta(max_length=16)] | None = None  # as PROTOCOL
+    stop: StopString | Annotated[list[StopString], Meta(max_length=16)] | None = None  # as docs/protocol.md §3
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
@@ -231,21 +231,23 @@ async def _generate(request: Request, svc: Service, req: GenerateRequest, render
         raise _from_request_error(e) from None
     # Streams too wait for the first output, so admission errors still get a real HTTP status.
     ready = (lambda h: h.finished) if not body.stream else (lambda h: h.finished or h.prompt_tokens is not None)
+    streaming = False
     try:
-        connected = await _wait_for(request.receive, handle, event, ready)
-    finally:
-        if not handle.finished and not (body.stream and handle.prompt_tokens is not None):
-            svc.bridge.abort(handle)  # client gone, or this task was cancelled
-    if not connected:
-        return Response(status_code=499)  # nobody reads it
-    if handle.error is not None and handle.prompt_tokens is None:
-        raise _from_request_error(handle.error)
-    if not body.stream:
+        if not await _wait_for(request.receive, handle, event, ready):
+            return Response(status_code=499)  # nobody reads it
         if handle.error is not None:
             raise _from_request_error(handle.error)
-        return Response(msgspec.json.encode(render.response(handle)), media_type="application/json")
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return SSEResponse(_sse(render, handle, event, include_usage), lambda: svc.bridge.abort(handle))
+        if not body.stream:
+            return Response(msgspec.json.encode(render.response(handle)), media_type="application/json")
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        streaming = True
+        return SSEResponse(_sse(render, handle, event, include_usage), lambda: svc.bridge.abort(handle))
+    finally:
+        # NOTE: whatever ended the wait -- a disconnect (even in the tick the first output came), an error,
+        # this task's cancellation -- a request not handed to a stream is aborted here; the stream aborts
+        # its own.
+        if not streaming and not handle.finished:
+            svc.bridge.abort(handle)
 
 
 async def _sse(render: Render, handle: RequestHandle, event: asyncio.Event, include_usage: bool) -> AsyncIterator[bytes]:
@@ -290,22 +292,21 @@ class SSEResponse(Response):
         self.on_disconnect = on_disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         pump = asyncio.ensure_future(self._pump(send))
         watcher = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not pump.done():
+            failed = pump.done() and not pump.cancelled() and pump.exception() is not None
+            if not pump.done() or pump.cancelled() or failed:
                 pump.cancel()
-                self.on_disconnect()
-            elif isinstance(pump.exception(), OSError):  # the write failed: the client is gone
-                self.on_disconnect()
-            elif pump.exception() is not None:
-                raise pump.exception()  # type: ignore[misc]
+                self.on_disconnect()  # the client is gone (or the write failed): stop generating for it
+        if failed and not isinstance(pump.exception(), OSError):
+            raise pump.exception()  # type: ignore[misc]
 
     async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for chunk in self.chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

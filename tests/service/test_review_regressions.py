@@ -53,3 +53,39 @@ def test_ws_chat_rejects_top_k_beyond_int64():
     msg = decode_client('{"type":"chat","id":"c","messages":[{"role":"user","content":"x"}],"top_k":1e30}'
                         .replace("1e30", str(10**30)))
     assert not isinstance(msg, Chat), "top_k=10**30 accepted by the protocol decoder"
+
+
+# Hostile-client finding 2: a streaming request whose client hung up in the same loop tick as its first
+# output got a 499 and was never aborted; it generated to max_tokens for nobody.
+async def test_disconnect_in_the_tick_of_the_first_output_aborts(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from service import openai_api
+
+    bridge = await _bridge(tiny_model_dir)
+    try:
+        async def receive() -> dict:  # hangs up in the tick the request's first output lands
+            while not any(h.prompt_tokens is not None for h in bridge._handles.values()):
+                await asyncio.sleep(0)
+            return {"type": "http.disconnect"}
+
+        handles = []
+        submit = bridge.submit
+        bridge.submit = lambda req, notify: handles.append(submit(req, notify)) or handles[-1]
+        svc = SimpleNamespace(bridge=bridge, model_name="m")
+        body = openai_api.CompletionRequest(model="m", prompt="hello", stream=True)
+        req = GenerateRequest(prompt="hello", chat=False, sampling={"ignore_eos": True}, max_tokens=None,
+                              api="completions")
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        await openai_api._generate(request, svc, req, openai_api.CompletionRender("m", False), body)
+        (handle,) = handles
+        for _ in range(1200):
+            if handle.finished:
+                break
+            await asyncio.sleep(0.05)
+        assert handle.finish_reason == "abort" and handle.completion_tokens < 250, \
+            (handle.finish_reason, handle.completion_tokens)
+    finally:
+        await bridge.stop()
