@@ -1,0 +1,40 @@
+"""bench/gpu_check.py's verdict on the rotary kernel: one bf16 ulp apart from the reference is right, more is
+not. The GPU's result is emulated here: its compiler fuses `a * b - c * d` into an FMA (one rounding less)."""
+from __future__ import annotations
+
+import torch
+
+from bench.gpu_check import TOL, Row, judge, judge_rounded, max_err, ulp_err
+from kernels import reference
+
+
+def _fma_rotary(q: torch.Tensor, cs: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """neox rotary as a GPU computes it with FMA contraction: x1*c exact, one fp32 rounding for the pair."""
+    half = q.shape[-1] // 2
+    c, s = cs[pos][:, None, :half].double(), cs[pos][:, None, half:].double()
+    x1, x2 = q[..., :half].double(), q[..., half:].double()
+    f32 = lambda t: t.float().double()  # noqa: E731
+    return torch.cat((f32(x1 * c - f32(x2 * s)), f32(x2 * c + f32(x1 * s))), -1).to(q.dtype)
+
+
+def test_one_ulp_from_fma_contraction_passes_and_two_ulps_fail() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = (2 * torch.randn(256, 32, 128, generator=g)).to(torch.bfloat16)  # outputs up to |x| ~ 16
+    cs = torch.randn(4096, 128, generator=g)
+    pos = torch.randint(0, 4096, (256,), generator=g)
+    ref, _ = reference.rotary_embedding(pos, q.clone(), q[:, :1].clone(), cs, True)
+    gpu = _fma_rotary(q, cs, pos)
+
+    # what the H200 run saw: the two differ by exactly one ulp where |x| >= 4, over the absolute tolerance
+    assert max_err(gpu, ref) > TOL[torch.bfloat16] and ulp_err(gpu, ref) == 1.0
+    old, new = Row("rope", ""), Row("rope", "")
+    judge(old, max_err(gpu, ref), torch.bfloat16)
+    judge_rounded(new, [(gpu, ref)], torch.bfloat16)
+    assert not old.ok and new.ok, new.notes
+
+    wrong = ref.clone()
+    i = int(ref.float().abs().argmin())  # even near zero, two ulps off is an error
+    wrong.view(-1)[i] = ref.view(-1)[i].float() + 2 * (2.0 ** (torch.floor(torch.log2(ref.view(-1)[i].float().abs())) - 7))
+    bad = Row("rope", "")
+    judge_rounded(bad, [(wrong, ref)], torch.bfloat16)
+    assert not bad.ok and "2 ulp" in bad.notes[0]
