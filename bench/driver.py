@@ -145,7 +145,7 @@ def itls(tr: Trace, rids: list[str] | None = None,
 
 
 def summarize(system: str, tr: Trace, rids: list[str] | None = None, **extra) -> dict:
-    """A result row (DESIGN §10 keys) over the whole trace; `extra` keys are appended."""
+    """A result row (docs/architecture.md §10 keys) over the whole trace; `extra` keys are appended."""
     rids = rids if rids is not None else list(tr.arrival)
     ttfts = [tr.ttft(r) for r in rids if tr.tokens.get(r)]
     gaps = itls(tr, rids)

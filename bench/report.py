@@ -1,4 +1,4 @@
-"""Writes a workload's results: `WORKLOAD.json` (DESIGN §10), `WORKLOAD.md` (table + targets), `WORKLOAD.png`.
+"""Writes a workload's results: `WORKLOAD.json` (docs/architecture.md §10), `WORKLOAD.md` (table + targets), `WORKLOAD.png`.
 
 A full (non-quick) run into the default results folder also refreshes that workload's section of
 bench/README.md, between `<!-- results:WORKLOAD -->` markers, so the README always shows the latest run.

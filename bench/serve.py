@@ -1,6 +1,6 @@
 """serve: the real server over WebSocket vs the engine alone on the same chats; event-loop lag inside the server.
 
-For each concurrency, N sessions each open a WebSocket (`/v1/ws`, shared/PROTOCOL.md), wait for
+For each concurrency, N sessions each open a WebSocket (`/v1/ws`, docs/protocol.md), wait for
 `ready`, then all send one chat at once and read deltas to `done`. The engine-alone run adds the
 same templated prompts to an in-process `LLMEngine` at once. Tokens/s = completion tokens / (first
 send .. last `done`). The client runs in this process, on the same cores as the server; it stands
@@ -101,7 +101,7 @@ class Server:
         raise RuntimeError(f"server not healthy after {timeout:.0f} s: {self.tail()}")
 
     def counters(self) -> dict[str, float]:
-        """The engine's counters (DESIGN §6) as the server's /metrics exposes them."""
+        """The engine's counters (docs/architecture.md §6) as the server's /metrics exposes them."""
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:

@@ -1,4 +1,4 @@
-"""Sluice engine: paged KV cache, chunked-prefill continuous batching, prefix caching (DESIGN.md §3)."""
+"""Sluice engine: paged KV cache, chunked-prefill continuous batching, prefix caching (docs/architecture.md §3)."""
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, StepError
 from engine.request import CompletionOutput, PromptTooLongError, RequestOutput, SamplingParams, TokenLogprob

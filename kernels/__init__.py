@@ -1,4 +1,4 @@
-"""Kernel ops used by the model forward (DESIGN.md §8), dispatched per call.
+"""Kernel ops used by the model forward (docs/architecture.md §8), dispatched per call.
 
 Triton kernels serve CUDA tensors. CPU tensors get the native kernels of `cpu.py` once `cpu.load()`
 has built them (the engine does, on a CPU device), else the torch twins in `reference.py`.

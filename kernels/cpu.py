@@ -8,7 +8,7 @@
 - `rms_norm`, `rotary_embedding`, `store_kv`, `silu_and_mul`: each one pass over its rows instead of
   4-25 small torch ops (a decode step of a small batch is mostly op dispatch otherwise).
 
-Same signatures and contracts as the twins (DESIGN.md §8). `load(cache_dir)` compiles the sources once per
+Same signatures and contracts as the twins (docs/architecture.md §8). `load(cache_dir)` compiles the sources once per
 (sources, flags, compiler, CPU) into `cache_dir` (concurrent processes wait on a file lock) and loads them;
 without a compiler, or if the build fails, it logs why and returns False, and the twins serve.
 """

@@ -1,6 +1,6 @@
 """Torch twins of the kernels in `kernels/`: the CPU path and the ground truth for kernel tests.
 
-Every op here has the same signature and semantics as its Triton version (DESIGN.md §8).
+Every op here has the same signature and semantics as its Triton version (docs/architecture.md §8).
 Clarity over speed, but no per-token Python loops: one gather per sequence at most.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Triton side of the dispatch in `kernels/__init__.py`: the five ops of DESIGN.md §8.
+"""The Triton side of the dispatch in `kernels/__init__.py`: the five ops of docs/architecture.md §8.
 
 Each lives in its own kernel file (kernel + asserting launcher); signatures match `reference.py`.
 """

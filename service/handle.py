@@ -15,7 +15,7 @@ TokenLogprobs = tuple[str, float, list[tuple[str, float]]]
 
 
 class RequestError(Exception):
-    """A request refused or failed; `code` is a PROTOCOL.md error code."""
+    """A request refused or failed; `code` is a protocol error code (docs/protocol.md §6)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md §6), all prefixed `sluice_`, in a registry of their own.
+"""Prometheus metrics (docs/architecture.md §6), all prefixed `sluice_`, in a registry of their own.
 
 Engine counters are not mirrored into Counter objects: a custom collector reads the latest stats
 snapshot at scrape time, so the exposition is always exactly the engine's numbers.
@@ -62,7 +62,7 @@ class Metrics:
         self.requests = Counter("sluice_requests", "Finished requests.", ["api", "finish_reason"], registry=r)
         self.completion_tokens = Counter("sluice_request_completion_tokens", "Completion tokens of finished requests.",
                                          ["api"], registry=r)
-        self.errors = Counter("sluice_errors", "Error replies sent, by PROTOCOL.md code.", ["code"], registry=r)
+        self.errors = Counter("sluice_errors", "Error replies sent, by protocol error code.", ["code"], registry=r)
         self.websocket_connections = Gauge("sluice_websocket_connections", "Open WebSocket connections.",
                                            registry=r)
         r.register(_EngineCollector(engine_stats))

@@ -1,4 +1,4 @@
-"""Wire types of the WebSocket protocol (shared/PROTOCOL.md, version 1) as tagged msgspec Structs.
+"""Wire types of the WebSocket protocol (docs/protocol.md, version 1) as tagged msgspec Structs.
 
 Client frames are decoded by one module-level Decoder; `decode_client` never raises: a bad frame
 becomes an `Error` to send back. Unknown fields are rejected so typos do not pass silently.
@@ -156,7 +156,7 @@ def decode_client(frame: str | bytes) -> ClientMessage | Error:
     try:
         return _decoder.decode(frame)
     except msgspec.ValidationError as e:
-        return Error(code="invalid_message", message=f"{e}. See PROTOCOL.md for the message schema.",
+        return Error(code="invalid_message", message=f"frame does not match the protocol: {e}",
                      id=_chat_id_of(frame))
     except msgspec.DecodeError as e:
         return Error(code="invalid_json", message=f"frame is not valid JSON: {e}")

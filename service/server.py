@@ -55,7 +55,8 @@ def serve(config: ServerConfig) -> int:
     except ValueError as e:  # e.g. an EngineConfig range
         log.error("invalid configuration: %s", e)
         return 2
-    # The legacy `websockets` protocol is the one DESIGN §9 names; uvicorn merely warns it will move.
+    # uvicorn warns that its legacy `websockets` implementation is deprecated; Sluice runs `websockets-sansio`
+    # (docs/architecture.md §9).
     warnings.filterwarnings("ignore", message=".*`websockets` implementation is deprecated.*")
     ucfg = uvicorn.Config(
         app, host=config.host, port=config.port, loop="uvloop", ws="websockets-sansio",

@@ -1,4 +1,4 @@
-"""WebSocket endpoint `/v1/ws` (shared/PROTOCOL.md). Per connection: this task reads, one writer task
+"""WebSocket endpoint `/v1/ws` (docs/protocol.md). Per connection: this task reads, one writer task
 is the only sender. A chat's pending output is merged into one `delta` per writer pass, so a slow
 reader gets bigger frames, never a growing queue; control replies are bounded by pausing the reader.
 """

@@ -1,4 +1,4 @@
-// The page's single WebSocket (shared/PROTOCOL.md v1): connect, authenticate with `hello`,
+// The page's single WebSocket (docs/protocol.md, v1): connect, authenticate with `hello`,
 // reconnect with jittered backoff, and re-emit every server frame as a 'frame' event.
 // Events: 'state' (this.state changed), 'frame' (detail = parsed frame), 'lost' (socket dropped).
 

@@ -1,6 +1,6 @@
 // The per-token ops of a layer, fused, for CPUs: rms_norm (with the residual add), rotary embedding,
 // store_kv and silu_and_mul; and gather_kv, a prefill chunk's context for SDPA. Same contracts and roundings as their torch twins in kernels/reference.py
-// (DESIGN.md §8); each replaces 4-25 small torch ops, whose dispatch is most of a small decode step.
+// (docs/architecture.md §8); each replaces 4-25 small torch ops, whose dispatch is most of a small decode step.
 // Rows are split over OpenMP threads only when there are enough of them to pay for waking the threads.
 #include <omp.h>
 

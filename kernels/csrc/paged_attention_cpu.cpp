@@ -1,6 +1,6 @@
 // Paged attention for CPUs: reads K and V from the paged cache in place, one pass, fp32 online softmax.
 //
-// Same contract as `kernels.reference.paged_attention` (DESIGN.md §8), for the sequences whose query
+// Same contract as `kernels.reference.paged_attention` (docs/architecture.md §8), for the sequences whose query
 // length is at most `max_q_len` (the Python wrapper sends longer prefill chunks to SDPA). Plain C ABI,
 // called through ctypes: no torch headers, so it builds in seconds with any g++.
 //

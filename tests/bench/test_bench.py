@@ -1,4 +1,4 @@
-"""Smoke test of `python -m bench`: the quick offline/stall/prefix runs finish and write DESIGN §10 results.
+"""Smoke test of `python -m bench`: the quick offline/stall/prefix runs finish and write docs/architecture.md §10 results.
 
 Runs on the tiny test model in one subprocess (one torch import); it checks shapes, not speed.
 """

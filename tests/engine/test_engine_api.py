@@ -1,4 +1,4 @@
-"""LLMEngine's public surface (DESIGN §3, §6): validation at add_request, abort at any stage, stats keys,
+"""LLMEngine's public surface (docs/architecture.md §3, §6): validation at add_request, abort at any stage, stats keys,
 generate over text and token prompts, and step outputs only for requests that advanced."""
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ class _ByteTokenizer:
 
 # F3: a token whose text holds a stop string and then ends mid-UTF-8 is parked (full ends with U+FFFD) without
 # the stop-string check; if the request then ends by length/EOS, engine._append_token calls flush(), which
-# appends the parked text unchecked, and delta(True) emits the stop string: PROTOCOL.md "never any part of
+# appends the parked text unchecked, and delta(True) emits the stop string: docs/protocol.md §4 "never any part of
 # a matched stop string".
 def test_flush_never_emits_a_stop_string():
     d = IncrementalDetokenizer(_ByteTokenizer(), [0], ["STOP"])

@@ -1,5 +1,5 @@
 """Scheduler unit tests, without a model: a step is `schedule()`, `postprocess()`, then a fake sampled
-token for every request whose step reached its last token (DESIGN §4)."""
+token for every request whose step reached its last token (docs/architecture.md §4)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

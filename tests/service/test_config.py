@@ -1,4 +1,4 @@
-"""`sluice serve` flags and `SLUICE_*` variables -> ServerConfig (service/config.py): names from DESIGN §9."""
+"""`sluice serve` flags and `SLUICE_*` variables -> ServerConfig (service/config.py): names from docs/architecture.md §9."""
 from __future__ import annotations
 
 import dataclasses

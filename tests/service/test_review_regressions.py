@@ -48,7 +48,7 @@ async def test_bad_seed_is_not_reported_as_prompt_too_long(tiny_model_dir, sampl
         await bridge.stop()
 
 
-# F1 at the wire: PROTOCOL chat frames accept a top_k that no engine can use (and that fails the whole step).
+# F1 at the wire: protocol chat frames accept a top_k that no engine can use (and that fails the whole step).
 def test_ws_chat_rejects_top_k_beyond_int64():
     msg = decode_client('{"type":"chat","id":"c","messages":[{"role":"user","content":"x"}],"top_k":1e30}'
                         .replace("1e30", str(10**30)))
