@@ -19,7 +19,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("workload", nargs="+", choices=(*WORKLOADS, "all"))
     ap.add_argument("--quick", action="store_true", help="shrunk sizes (~1 min in all): a smoke test, not a measurement")
     ap.add_argument("--model", type=Path, help="HF model directory (default: the engine/tiny.py `small` preset)")
-    ap.add_argument("--out", type=Path, help="results folder (default bench/results, or bench/results/quick)")
+    ap.add_argument("--out", type=Path, help="results folder (default bench/results/HOST, e.g. xeon-amx or epyc-avx512bf16; "
+                    "bench/results/quick with --quick)")
     ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                     help="auto: bfloat16 if the CPU has AMX/AVX512-BF16, else float32")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (fixed for every system)")
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    out = args.out or (common.RESULTS_DIR / "quick" if args.quick else common.RESULTS_DIR)
+    out = args.out or common.RESULTS_DIR / ("quick" if args.quick else common.host_slug())
     run = common.Run(
         model_dir=(args.model or common.default_model_dir()).resolve(),
         dtype=common.pick_dtype() if args.dtype == "auto" else args.dtype,

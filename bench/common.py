@@ -6,6 +6,7 @@ take it as their only configuration.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import time
@@ -46,9 +47,50 @@ class Run:
 
     def host(self) -> dict[str, object]:
         return {
-            "cpu": cpu_model(), "threads": self.threads, "dtype": self.dtype,
-            "torch": torch.__version__, "python": platform.python_version(),
+            "cpu": cpu_model(), "isa": isa(), "cores": os.cpu_count(), "threads": self.threads,
+            "dtype": self.dtype, "kernels": kernel_path(), "torch": torch.__version__,
+            "python": platform.python_version(),
         }
+
+
+# The ISA features that pick a CPU path here: AMX runs bf16 prefill chunks on tiles, AVX512-BF16 multiplies
+# bf16 natively (else the bench runs fp32), AVX-512 / AVX2 vectorize the native kernels.
+ISA_FLAGS = {"AMX": "amx_bf16", "AVX512-BF16": "avx512_bf16", "AVX-512": "avx512f", "AVX2": "avx2"}
+
+
+def isa() -> list[str]:
+    """The features of ISA_FLAGS this CPU has, in that order."""
+    flags = cpu_flags()
+    return [name for name, flag in ISA_FLAGS.items() if flag in flags]
+
+
+def kernel_path() -> str:
+    """Which kernels served the CPU runs of this process (asked after the engines ran)."""
+    if torch.cuda.is_available():
+        return "triton"
+    from kernels import cpu
+
+    if not cpu.loaded():
+        return "torch"
+    return "native, AMX prefill" if cpu.amx() else "native, SDPA prefill"
+
+
+def host_slug(host: dict | None = None) -> str:
+    """A results folder name for this kind of host: CPU family and the feature that picks its path."""
+    host = host or {"cpu": cpu_model(), "isa": isa()}
+    cpu = str(host.get("cpu", "")).lower()
+    family = next((f for f in ("xeon", "epyc", "ryzen", "core") if f in cpu), cpu.split(" ")[0] or "cpu")
+    feats = host.get("isa") or []
+    best = next((f for f in ("AMX", "AVX512-BF16", "AVX-512", "AVX2") if f in feats), "generic")
+    return f"{family}-{best.lower().replace('-', '')}"
+
+
+def host_line(host: dict) -> str:
+    """One line naming where a result was measured, for the markdown beside it."""
+    isa_list = host.get("isa")
+    feats = ", ".join(isa_list) if isa_list else "no AVX2" if isa_list == [] else "ISA not recorded"
+    return (f"{host.get('cpu')} ({feats}), {host.get('threads')} of {host.get('cores', '?')} cores, "
+            f"{host.get('dtype')}, {host.get('kernels', 'kernels not recorded')} kernels, torch {host.get('torch')}")
 
 
 def cpu_flags() -> set[str]:

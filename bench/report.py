@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: never needs a display
 import matplotlib.pyplot as plt
 
-from bench.common import RESULTS_DIR, Run
+from bench.common import RESULTS_DIR, Run, host_line
 
 README = Path(__file__).parent / "README.md"
 
@@ -64,7 +64,7 @@ def markdown(result: dict, columns: list[str]) -> str:
     cfg = result.get("config", {})
     host = result.get("host", {})
     lines += ["", f"Command: `{result.get('command')}`  ", f"Config: `{json.dumps(cfg, sort_keys=True)}`  ",
-              f"Host: {host.get('cpu')}, {host.get('threads')} threads, {host.get('dtype')}, torch {host.get('torch')}; "
+              f"Host: {host_line(host)}; "
               f"{result.get('timestamp')}" + (" (--quick)" if result.get("quick") else "")]
     return "\n".join(lines) + "\n"
 
@@ -95,17 +95,17 @@ def write(run: Run, workload: str, rows: list[dict], *, columns: list[str], conf
     fig = plot()
     fig.savefig(run.out_dir / f"{workload}.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
-    if not run.quick and run.out_dir.resolve() == RESULTS_DIR.resolve():
-        _refresh_readme(workload, md)
+    if not run.quick and run.out_dir.resolve().parent == RESULTS_DIR.resolve():
+        _refresh_readme(workload, md, f"results/{run.out_dir.name}/{workload}.png")
     return path
 
 
-def _refresh_readme(workload: str, md: str) -> None:
+def _refresh_readme(workload: str, md: str, png: str) -> None:
     if not README.exists():
         return
     text = README.read_text()
     begin, end = f"<!-- results:{workload} -->", f"<!-- /results:{workload} -->"
     if begin not in text or end not in text:
         return
-    block = f"{begin}\n{md}\n![{workload}](results/{workload}.png)\n{end}"
+    block = f"{begin}\n{md}\n![{workload}]({png})\n{end}"
     README.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.DOTALL))

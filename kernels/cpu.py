@@ -150,6 +150,11 @@ def loaded() -> bool:
     return _lib is not None
 
 
+def amx() -> bool:
+    """Whether bf16 prefill chunks run on the AMX kernel in this process (built with AMX, tiles granted)."""
+    return _lib is not None and _lib.amx
+
+
 # fp16 elementwise ops stay on the twins: without a vector fp16 conversion the native loops run scalar.
 OP_DTYPES = {"paged_attention": set(DTYPES), "default": {torch.float32, torch.bfloat16}}
 

@@ -50,7 +50,11 @@ def test_results_follow_design_schema(results: Path, workload: str) -> None:
         assert row["throughput_tok_s"] == max(row["rounds"]["throughput_tok_s"])  # every round kept, the best shown
     for t in data["targets"]:
         assert t["met"] in (True, False, None) and t["op"] in ("<=", ">=")
-    assert (results / f"{workload}.md").read_text().startswith(f"# {workload}")
+    host = data["host"]  # where it was measured, complete enough to compare two CPUs' results
+    assert {"cpu", "isa", "cores", "threads", "dtype", "kernels", "torch"} <= set(host), host
+    assert set(host["isa"]) <= {"AMX", "AVX512-BF16", "AVX-512", "AVX2"} and host["kernels"]
+    md = (results / f"{workload}.md").read_text()
+    assert md.startswith(f"# {workload}") and f"Host: {host['cpu']} (" in md and host["kernels"] in md
     assert (results / f"{workload}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
