@@ -2,10 +2,15 @@
 not. The GPU's result is emulated here: its compiler fuses `a * b - c * d` into an FMA (one rounding less)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
-from bench.gpu_check import TOL, Row, judge, judge_rounded, max_err, ulp_err
-from kernels import reference
+if not torch.cuda.is_available():  # bench.gpu_check imports triton's kernels: as tests/kernels/conftest.py does
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from bench.gpu_check import TOL, Row, judge, judge_rounded, max_err, ulp_err  # noqa: E402
+from kernels import reference  # noqa: E402
 
 
 def _fma_rotary(q: torch.Tensor, cs: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
