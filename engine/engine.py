@@ -18,9 +18,9 @@ from engine.config import EngineConfig, fault_marker, sluice_home
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.models import LlamaModel
+from engine.processor import InputProcessor
 from engine.request import (
     CompletionOutput,
-    PromptTooLongError,
     Request,
     RequestOutput,
     SamplingParams,
@@ -60,8 +60,6 @@ class LLMEngine:
             self.dtype = _DTYPES[config.dtype]
 
         self.model_config = mc = loader.load_model_config(model_dir)
-        self.tokenizer = loader.load_tokenizer(model_dir)
-        self.eos_token_ids = loader.eos_token_ids(model_dir, self.tokenizer)
         self.model = LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype)
 
         block_size = config.block_size
@@ -91,6 +89,9 @@ class LLMEngine:
                     "raise num_kv_blocks or lower max_model_len"
                 )
         self.max_model_len = max_model_len
+        self.processor = InputProcessor(model_dir, mc.vocab_size, max_model_len)
+        self.tokenizer = self.processor.tokenizer
+        self.eos_token_ids = loader.eos_token_ids(model_dir, self.tokenizer)
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, max_model_len)
@@ -116,25 +117,16 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.processor.chat_ids(messages)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Raises `PromptTooLongError` if the prompt leaves no room for a token, `ValueError` if it is bad.
+
+        A str is tokenized here, on the engine thread; a server tokenizes on its own thread and passes ids."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) > self.max_model_len:
-            raise PromptTooLongError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
-        if len(ids) == self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens = max_model_len={self.max_model_len}: no room to generate"
-            )
+        ids = self.processor.prompt_ids(prompt, chat=False)
         req = Request(request_id, ids, params, min(params.max_tokens, self.max_model_len - len(ids)))
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         if params.seed is not None:

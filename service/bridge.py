@@ -1,12 +1,15 @@
 """Engine thread <-> event loop. The engine is built and used on one thread only; each step's outputs
 cross to the loop in ONE `call_soon_threadsafe`. Undelivered output accumulates (merged) in its
 `RequestHandle`, so a slow reader costs at most its own completion, and never blocks the engine.
+Prompts are templated and tokenized on a tokenizer thread of their own: the engine thread only sees ids.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -15,15 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import PromptTooLongError, RequestOutput, SamplingParams, StepError
+from engine.processor import InputProcessor
 from service.handle import GenerateRequest, RequestError, RequestHandle, TokenLogprobs, TokenRate
 
 log = logging.getLogger("sluice.bridge")
 
 MAX_CONSECUTIVE_FAILURES = 3  # unexpected step exceptions in a row before the engine is declared dead
-# NOTE: templating + tokenizing run on the engine thread, so a huge prompt would stall every stream
-# while it is tokenized only to be refused. No tokenizer packs more characters than this into one
-# token on ordinary text, so longer prompts are refused up front, on the loop, at no cost.
-MAX_CHARS_PER_TOKEN = 16
+TOKENIZER_NICENESS = 10  # added to the tokenizer thread's niceness
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class EngineBridge:
         self._ids = itertools.count()
         self._handles: dict[str, RequestHandle] = {}
         self._num_queued = 0  # handles submitted but not started: the admission queue
+        self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready
+        self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-tokenizer",
+                                                                initializer=_yield_to_the_engine)
+        self._tokenizing: dict[str, bool] = {}  # request_id -> aborted while its prompt was tokenized
         self._rate = TokenRate()
         self.ready = False
         self.fatal: str | None = None
@@ -83,6 +88,7 @@ class EngineBridge:
         if self._thread is None:
             return
         self._inbox.put(("stop",))
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
     @property
@@ -93,31 +99,61 @@ class EngineBridge:
         return self._rate.per_s(time.monotonic())
 
     def submit(self, req: GenerateRequest, notify: Callable[[], None]) -> RequestHandle:
-        """Queue a request. Raises `RequestError` (invalid_message, overloaded, internal) at once."""
-        if self.fatal is not None or not self.ready:
+        """Queue a request. Raises `RequestError` (invalid_message, prompt_too_long, overloaded, internal) at
+        once for what is known without the tokenizer; the rest arrives as the handle's error."""
+        if self.fatal is not None or not self.ready or self._processor is None:
             raise RequestError("internal", "the engine is not running")
         try:  # validate ranges here so the client hears about them now, not from the engine thread
             SamplingParams(max_tokens=req.max_tokens or 1, logprobs=req.logprobs, **req.sampling)
         except (ValueError, TypeError) as e:
             raise RequestError("invalid_message", f"invalid sampling parameters: {e}") from None
-        chars = _prompt_chars(req.prompt)
-        if self.max_model_len and chars > MAX_CHARS_PER_TOKEN * self.max_model_len:
-            raise RequestError("prompt_too_long", f"the prompt has {chars} characters; the context is "
-                                                  f"{self.max_model_len} tokens (at most {MAX_CHARS_PER_TOKEN} "
-                                                  "characters each are accepted)")
+        try:
+            self._processor.refuse_early(req.prompt)
+        except PromptTooLongError as e:
+            raise RequestError("prompt_too_long", str(e)) from None
         if self._num_queued >= self._max_queued:
             raise RequestError("overloaded", f"the server queue is full ({self._max_queued} requests "
                                              "waiting); retry later")
         handle = RequestHandle(str(next(self._ids)), req.api, notify)
         self._handles[handle.request_id] = handle
         self._num_queued += 1
-        self._inbox.put(("add", handle.request_id, req))
+        self._tokenizing[handle.request_id] = False
+        assert self._loop is not None
+        future = self._loop.run_in_executor(self._tokenizer, self._processor.prompt_ids, req.prompt, req.chat)
+        future.add_done_callback(lambda f: self._tokenized(handle, req, f))
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
-        """Stop a request; it finishes with finish_reason "abort" after the engine's next step."""
-        if not handle.finished:
+        """Stop a request; it finishes with finish_reason "abort" after the engine's next step (or as soon as
+        its prompt is tokenized, if it is still being tokenized)."""
+        if handle.request_id in self._tokenizing:
+            self._tokenizing[handle.request_id] = True
+        elif not handle.finished:
             self._inbox.put(("abort", handle.request_id))
+
+    def _tokenized(self, handle: RequestHandle, req: GenerateRequest, future: asyncio.Future[list[int]]) -> None:
+        """On the loop, in submission order: hand the ids to the engine, or finish the request here."""
+        aborted = self._tokenizing.pop(handle.request_id)
+        if handle.finished:  # the engine died meanwhile
+            return
+        if aborted or future.cancelled():
+            return self._finish(handle, "abort", None)
+        try:
+            ids = future.result()
+        except PromptTooLongError as e:
+            return self._finish(handle, None, RequestError("prompt_too_long", str(e)))
+        except ValueError as e:
+            return self._finish(handle, None, RequestError("invalid_message", str(e)))
+        except Exception as e:  # the tokenizer itself failed: ours, not the client's
+            log.warning("request %s: tokenizing the prompt failed: %s: %s", handle.request_id, type(e).__name__, e)
+            return self._finish(handle, None, RequestError("internal", "the server failed to tokenize the prompt"))
+        room = self.max_model_len - len(ids)
+        if req.max_tokens is not None and req.max_tokens > room and not req.fit_max_tokens:
+            return self._finish(handle, None, RequestError(
+                "prompt_too_long", f"the context is {self.max_model_len} tokens; the prompt has {len(ids)} and "
+                                   f"max_tokens asks for {req.max_tokens} more (at most {room} fit)"))
+        max_tokens = room if req.max_tokens is None else min(req.max_tokens, room)
+        self._inbox.put(("add", handle.request_id, ids, req, max_tokens))
 
     def abort_all(self) -> None:
         for handle in list(self._handles.values()):
@@ -131,8 +167,9 @@ class EngineBridge:
         except RuntimeError:
             raise SystemExit from None
 
-    def _on_ready(self, model_name: str, max_model_len: int, stats: dict[str, Any]) -> None:
+    def _on_ready(self, model_name: str, max_model_len: int, stats: dict[str, Any], processor: InputProcessor) -> None:
         self.model_name, self.max_model_len, self.stats = model_name, max_model_len, stats
+        self._processor = processor
         self.ready = True
         log.info("engine ready: model=%s max_model_len=%d", model_name, max_model_len)
 
@@ -200,7 +237,9 @@ class _EngineWorker:
             engine = self.bridge._factory()
             for text in self.bridge._pinned:
                 self._pin(engine, text)
-            self.post(self.bridge._on_ready, engine.model_name, engine.max_model_len, engine.stats())
+            # the tokenizer thread's own processor (and tokenizer): built here, used only there from now on
+            processor = InputProcessor(engine.model_dir, engine.model_config.vocab_size, engine.max_model_len)
+            self.post(self.bridge._on_ready, engine.model_name, engine.max_model_len, engine.stats(), processor)
             while self._iteration(engine):
                 pass
         except SystemExit:
@@ -227,9 +266,9 @@ class _EngineWorker:
             if cmd[0] == "stop":
                 return False
             if cmd[0] == "add":
-                err = self._admit(engine, cmd[1], cmd[2])
+                err = self._admit(engine, *cmd[1:])
                 if err is None:
-                    self.live[cmd[1]] = cmd[2].logprobs
+                    self.live[cmd[1]] = cmd[3].logprobs
                 else:
                     errors.append((cmd[1], err.code, err.message))
             elif cmd[0] == "abort" and cmd[1] in self.live and cmd[1] not in self.aborting:
@@ -277,27 +316,7 @@ class _EngineWorker:
             return []
 
     @staticmethod
-    def _admit(engine: Any, rid: str, req: GenerateRequest) -> RequestError | None:
-        try:
-            if req.chat:
-                ids = engine.apply_chat_template(req.prompt)
-            elif isinstance(req.prompt, str):  # tokenized as the engine does for raw text
-                ids = engine.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
-            else:
-                ids = list(req.prompt)
-                vocab = engine.model_config.vocab_size
-                if any(not 0 <= t < vocab for t in ids):
-                    return RequestError("invalid_message", f"prompt token ids must be in 0..{vocab - 1}")
-        except Exception as e:  # e.g. a chat template that rejects this sequence of roles
-            return RequestError("invalid_message", f"cannot build the prompt: {e}")
-        if not ids:
-            return RequestError("invalid_message", "the prompt is empty")
-        limit = engine.max_model_len
-        room = limit - len(ids)
-        if room < 1:
-            return RequestError("prompt_too_long", f"the prompt has {len(ids)} tokens; the context is "
-                                                   f"{limit} tokens, leaving no room for a completion")
-        max_tokens = room if req.max_tokens is None else min(req.max_tokens, room)
+    def _admit(engine: Any, rid: str, ids: list[int], req: GenerateRequest, max_tokens: int) -> RequestError | None:
         try:
             params = SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **req.sampling)
             engine.add_request(rid, ids, params)
@@ -327,7 +346,10 @@ class _EngineWorker:
         log.info("pinned a system prompt prefix of %d tokens", n)
 
 
-def _prompt_chars(prompt: list[dict[str, str]] | str | list[int]) -> int:
-    if isinstance(prompt, str):
-        return len(prompt)
-    return sum(len(m.get("content", "")) for m in prompt if isinstance(m, dict))
+def _yield_to_the_engine() -> None:
+    """The tokenizer thread runs at a lower CPU priority than the engine thread (Linux sets niceness per thread):
+    on a busy host, streams that are running come before prompts still being tokenized, as in the scheduler."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not permitted: same priority, still off the engine thread
+        pass

@@ -6,7 +6,7 @@ whatever the consumer has not taken yet is merged, never queued per step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,12 @@ class RequestError(Exception):
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    prompt: list[dict[str, str]] | str | list[int]  # chat messages (chat=True), or raw text / token ids
+    # chat messages (chat=True: {"role", "content"} dicts or objects with those attributes), or raw text / token ids
+    prompt: Sequence[Any] | str | list[int]
     chat: bool
     sampling: dict[str, Any]  # SamplingParams kwargs except max_tokens/logprobs
     max_tokens: int | None = None  # None: all the context the prompt leaves
+    fit_max_tokens: bool = True  # cap max_tokens to the context the prompt leaves; False: refuse the request
     logprobs: int | None = None
     api: str = "ws"  # metrics label
 

@@ -1,0 +1,93 @@
+"""`InputProcessor`: prompt -> token ids (chat template, tokenizer) and the length checks that need them.
+
+It owns its own tokenizer, so it runs on whichever ONE thread holds it: the engine keeps one for its own
+API, and the server runs a second on a tokenizer thread, so the engine thread only ever sees token ids.
+`refuse_early` is the cheap bound checked before any of that work, on the caller's thread.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine import loader
+from engine.request import PromptTooLongError
+
+# NOTE: no tokenizer packs more characters than this into one token of ordinary text; a prompt's token
+# count is therefore at least its characters / this, which bounds it before anything is tokenized.
+MAX_CHARS_PER_TOKEN = 16
+
+Messages = Sequence[Any]  # {"role", "content"} dicts, or objects with those attributes
+
+
+class InputProcessor:
+    def __init__(self, model_dir: str | Path, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = loader.load_tokenizer(model_dir)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.tokens_per_message = self._tokens_per_message()
+
+    def chat_ids(self, messages: Messages) -> list[int]:
+        """The chat template applied to `messages`, with the generation prompt, tokenized. A message is a
+        `{"role", "content"}` dict or any object with those attributes (a server's wire type)."""
+        messages = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def text_ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, prompt: Messages | str | list[int], chat: bool) -> list[int]:
+        """Token ids of a prompt, checked: not empty, in the vocabulary, shorter than the context.
+
+        Raises `PromptTooLongError` (no room for one new token) or `ValueError` (anything else)."""
+        if chat:
+            try:
+                ids = self.chat_ids(prompt)  # type: ignore[arg-type]
+            except Exception as e:  # e.g. a template that rejects this sequence of roles
+                raise ValueError(f"cannot build the prompt: {e}") from None
+        elif isinstance(prompt, str):
+            ids = self.text_ids(prompt)
+        else:
+            ids = list(prompt)
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} "
+                                     "tokens, leaving no room for a completion")
+        return ids
+
+    def refuse_early(self, prompt: Messages | str | list[int]) -> None:
+        """Raises `PromptTooLongError` when a lower bound on the prompt's tokens already fills the context.
+
+        O(messages), no tokenizer: characters / MAX_CHARS_PER_TOKEN, plus what the template adds per message
+        (28,000 one-character messages are refused here, not after a second of templating)."""
+        if isinstance(prompt, str):
+            bound, what = math.ceil(len(prompt) / MAX_CHARS_PER_TOKEN), f"{len(prompt)} characters"
+        elif prompt and not isinstance(prompt[0], int):
+            bound, what = (len(prompt) - 1) * self.tokens_per_message, f"{len(prompt)} messages"
+            if bound < self.max_model_len:  # NOTE: only then read the contents (a flood sends 28,000 messages)
+                chars = sum(len((m.get("content") if isinstance(m, dict) else m.content) or "") for m in prompt)
+                bound += math.ceil(chars / MAX_CHARS_PER_TOKEN)
+                what = f"{len(prompt)} messages of {chars} characters"
+        else:
+            bound, what = len(prompt), f"{len(prompt)} tokens"
+        if bound >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt ({what}) is at least {bound} tokens; the context is "
+                                     f"{self.max_model_len} tokens")
+
+    def _tokens_per_message(self) -> int:
+        """Fewest tokens the chat template adds for one more (empty) message, minus one that may merge with
+        the content; 0 where the template cannot tell (it refuses such conversations)."""
+        counts = []
+        for role in ("system", "user", "assistant"):
+            try:
+                one = len(self.chat_ids([{"role": "user", "content": ""}]))
+                two = len(self.chat_ids([{"role": "user", "content": ""}, {"role": role, "content": ""}]))
+                counts.append(two - one - 1)
+            except Exception:
+                continue
+        return max(0, min(counts)) if counts else 0

@@ -1,0 +1,59 @@
+"""InputProcessor (engine/processor.py): prompt -> checked token ids, and the cheap early refusal, which must
+never refuse a prompt that fits and must refuse a flood of tiny messages without templating it."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import PromptTooLongError
+from engine.loader import load_model_config
+from engine.processor import InputProcessor
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def proc(tiny_model_dir) -> InputProcessor:
+    return InputProcessor(tiny_model_dir, load_model_config(tiny_model_dir).vocab_size, MAX_LEN)
+
+
+def test_prompt_ids_checks(proc: InputProcessor) -> None:
+    ids = proc.prompt_ids([{"role": "user", "content": "hi"}], chat=True)
+    assert ids == proc.chat_ids([{"role": "user", "content": "hi"}]) and 0 < len(ids) < MAX_LEN
+    assert proc.prompt_ids("hello", chat=False) == proc.text_ids("hello")
+    assert proc.prompt_ids([5, 6], chat=False) == [5, 6]
+    with pytest.raises(ValueError, match="empty"):
+        proc.prompt_ids("", chat=False)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        proc.prompt_ids([proc.vocab_size], chat=False)
+    with pytest.raises(PromptTooLongError, match="no room"):
+        proc.prompt_ids(list(range(MAX_LEN)), chat=False)
+    proc.prompt_ids(list(range(MAX_LEN - 1)), chat=False)  # one token of room is enough
+
+
+def test_a_template_adds_tokens_per_message(proc: InputProcessor) -> None:
+    assert proc.tokens_per_message >= 2  # ChatML: <|im_start|>, role, newline, <|im_end|>, newline
+
+
+def test_many_tiny_messages_are_refused_without_templating(proc: InputProcessor, monkeypatch) -> None:
+    monkeypatch.setattr(proc, "chat_ids", lambda _: pytest.fail("templated"))
+    with pytest.raises(PromptTooLongError, match="28000 messages"):
+        proc.refuse_early([{"role": "user", "content": "x"}] * 28_000)
+    with pytest.raises(PromptTooLongError, match="characters"):
+        proc.refuse_early("x" * 16 * MAX_LEN)
+    with pytest.raises(PromptTooLongError, match="tokens"):
+        proc.refuse_early(list(range(MAX_LEN)))
+
+
+_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), _text), min_size=1, max_size=80))
+def test_early_refusal_never_refuses_a_prompt_that_fits(proc: InputProcessor, turns) -> None:
+    messages = [{"role": r, "content": c} for r, c in turns]
+    try:
+        proc.refuse_early(messages)
+    except PromptTooLongError:
+        assert len(proc.chat_ids(messages)) >= MAX_LEN, "refused a prompt that fits"

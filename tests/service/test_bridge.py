@@ -1,0 +1,95 @@
+"""EngineBridge (service/bridge.py) in-process, over the tiny engine: prompts are templated and tokenized on
+the tokenizer thread, never on the engine thread; a request aborted while it is tokenized never reaches the
+engine; the checks that need the token count answer as the request's error."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import engine.engine
+import service.bridge
+from engine import EngineConfig, LLMEngine
+from engine.processor import InputProcessor
+from service.bridge import EngineBridge
+from service.handle import GenerateRequest, RequestError, RequestHandle
+
+MAX_LEN = 256
+
+
+class RecordingProcessor(InputProcessor):
+    """Notes the thread of every templating/tokenizing call."""
+    calls: list[tuple[str, str]] = []
+
+    def chat_ids(self, messages):
+        self.calls.append(("chat", threading.current_thread().name))
+        return super().chat_ids(messages)
+
+    def text_ids(self, text):
+        self.calls.append(("text", threading.current_thread().name))
+        return super().text_ids(text)
+
+
+@pytest.fixture
+async def bridge(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(engine.engine, "InputProcessor", RecordingProcessor)
+    monkeypatch.setattr(service.bridge, "InputProcessor", RecordingProcessor)
+    b = EngineBridge(lambda: LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                                    max_model_len=MAX_LEN)), max_queued=16)
+    b.start()
+    for _ in range(600):
+        if b.ready:
+            break
+        await asyncio.sleep(0.05)
+    assert b.ready
+    RecordingProcessor.calls.clear()  # startup (the engine's own processor, pinning) is the engine thread's
+    yield b
+    await b.stop()
+
+
+async def _finish(b: EngineBridge, req: GenerateRequest, abort_at_once: bool = False) -> RequestHandle:
+    done = asyncio.Event()
+    handle = b.submit(req, done.set)
+    if abort_at_once:
+        b.abort(handle)
+    while not handle.finished:
+        done.clear()
+        await asyncio.wait_for(done.wait(), 60)
+    return handle
+
+
+async def test_the_engine_thread_never_tokenizes(bridge: EngineBridge) -> None:
+    chat = await _finish(bridge, GenerateRequest(prompt=[{"role": "user", "content": "hi"}], chat=True,
+                                                 sampling={"ignore_eos": True}, max_tokens=3))
+    text = await _finish(bridge, GenerateRequest(prompt="once upon", chat=False, sampling={"ignore_eos": True},
+                                                 max_tokens=3))
+    assert chat.finish_reason == text.finish_reason == "length" and chat.completion_tokens == 3
+    kinds = {kind for kind, _ in RecordingProcessor.calls}
+    threads = {name for _, name in RecordingProcessor.calls}
+    assert kinds == {"chat", "text"} and all(t.startswith("sluice-tokenizer") for t in threads), threads
+
+
+async def test_abort_while_tokenizing_never_reaches_the_engine(bridge: EngineBridge) -> None:
+    steps = bridge.stats.get("num_steps", 0)
+    handle = await _finish(bridge, GenerateRequest(prompt="a" * 1000, chat=False, sampling={}, max_tokens=50),
+                           abort_at_once=True)
+    assert handle.finish_reason == "abort" and handle.completion_tokens == 0 and handle.prompt_tokens is None
+    assert bridge.num_in_flight == 0 and bridge.stats.get("num_steps", 0) == steps
+
+
+async def test_checks_that_need_the_token_count(bridge: EngineBridge) -> None:
+    def req(prompt, max_tokens=None, fit=True):
+        return GenerateRequest(prompt=prompt, chat=False, sampling={}, max_tokens=max_tokens, fit_max_tokens=fit)
+
+    with pytest.raises(RequestError) as e:  # known without the tokenizer: refused at once
+        bridge.submit(req(list(range(3, 3 + MAX_LEN))), lambda: None)
+    assert e.value.code == "prompt_too_long"
+    too_long = await _finish(bridge, req("x" * 1000))  # under the early bound (63 tokens); 1,000 once tokenized
+    assert too_long.error is not None and too_long.error.code == "prompt_too_long" and "1000 tokens" in too_long.error.message
+    bad_id = await _finish(bridge, req([10**6]))
+    assert bad_id.error is not None and bad_id.error.code == "invalid_message"
+    strict = await _finish(bridge, req(list(range(3, 103)), max_tokens=MAX_LEN - 99, fit=False))
+    assert strict.error is not None and strict.error.code == "prompt_too_long" and "at most 156" in strict.error.message
+    capped = await _finish(bridge, req(list(range(3, 3 + MAX_LEN - 2)), max_tokens=50))
+    assert capped.error is None and capped.completion_tokens <= 2
