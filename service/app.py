@@ -24,7 +24,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from service import openai_api, ws
-from service.auth import ApiKeyMiddleware
+from service.auth import AccessMiddleware, PendingAuth
 from service.bridge import EngineBridge
 from service.config import ServerConfig
 from service.metrics import Metrics
@@ -52,7 +52,8 @@ class Service:
         self.metrics = Metrics(lambda: self.bridge.stats)
         self.bridge = EngineBridge(engine_factory, max_queued=config.max_queued_requests,
                                    pinned_system_prompts=pinned, metrics=self.metrics)
-        self.connections: set[Connection] = set()
+        self.connections: set[Connection] = set()  # authenticated; --max-connections counts these
+        self.pending_auth = PendingAuth(config.max_pending_auth)  # open, still waiting to send `hello`
         self.draining = False
         self.started_at = int(time.time())
 
@@ -75,8 +76,10 @@ class Service:
     async def drain(self, timeout: float, give_up: Callable[[], bool] = lambda: False) -> None:
         """Refuse new chats, let those in flight finish (then cancel the rest), close sockets with 1001.
 
+        The listener stays open meanwhile, so load balancers see `/health` answer 503 `draining`.
         `give_up()` turning true (a second Ctrl+C) skips the rest of the wait."""
         self.draining = True
+        self.pending_auth.evict_all()  # sockets that never authenticated have nothing to finish
         log.info("shutting down: %d requests in flight, %d websockets", self.bridge.num_in_flight,
                  len(self.connections))
         if not await _wait_until(lambda: not self.bridge.num_in_flight or give_up(), timeout):
@@ -113,11 +116,12 @@ async def metrics(request: Request) -> Response:
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
-    """OpenAI's error shape under /v1, plain text elsewhere (404 for an unknown route, 405, ...)."""
+    """OpenAI's error shape under /v1, plain text elsewhere (404 for an unknown route, 405 with `Allow`, ...)."""
     assert isinstance(exc, HTTPException)
     if request.url.path.startswith("/v1/"):
-        return openai_api.error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
-    return PlainTextResponse(exc.detail, status_code=exc.status_code)
+        return openai_api.error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                                         headers=exc.headers)
+    return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
 
 
 def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> Starlette:
@@ -131,18 +135,19 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = N
             return LLMEngine(engine_config)
 
     svc = Service(config, engine_factory)
-    routes: list[Any] = [
-        Route("/health", health),
-        Route("/metrics", metrics),
-        WebSocketRoute("/v1/ws", ws.websocket_endpoint),
-        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
-        Route("/v1/completions", openai_api.completions, methods=["POST"]),
-        Route("/v1/models", openai_api.models),
-    ]
+    # NOTE: /v1 is one Mount, so its own router answers every /v1/* path: 405 with `Allow` for a wrong method
+    # (the static Mount below would otherwise take a GET as a missing file), 404 for an unknown path.
+    api = Mount("/v1", routes=[
+        WebSocketRoute("/ws", ws.websocket_endpoint),
+        Route("/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/completions", openai_api.completions, methods=["POST"]),
+        Route("/models", openai_api.models, methods=["GET"]),
+    ])
+    routes: list[Any] = [Route("/health", health), Route("/metrics", metrics), api]
     web = _web_dir()
     if web is not None:
         routes.append(Mount("/", StaticFiles(directory=web, html=True)))
-    middleware = [Middleware(ApiKeyMiddleware, api_key=config.api_key)]
+    middleware = [Middleware(AccessMiddleware, api_key=config.api_key, allowed_origins=config.allowed_origins)]
     if config.allowed_origins:  # browsers calling the HTTP API obey the same list as WebSocket upgrades
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                                         allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"]))

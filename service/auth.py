@@ -1,10 +1,13 @@
 """API-key and Origin checks. Keys are compared in constant time; `/`, `/health` and `/metrics` stay open.
 
-`ApiKeyMiddleware` guards HTTP `/v1/*`; the WebSocket checks its own key (header or `hello`) in ws.py.
+`AccessMiddleware` guards HTTP `/v1/*`; the WebSocket checks its own key (header or `hello`) in ws.py, and
+`PendingAuth` bounds the sockets still waiting to send `hello` (docs/protocol.md §2).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
+from collections.abc import Hashable
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,18 +34,60 @@ def origin_allowed(headers: Headers, allowed: tuple[str, ...]) -> bool:
     return not allowed or origin is None or origin in allowed or "*" in allowed
 
 
-class ApiKeyMiddleware:
-    """401 in OpenAI's error shape for HTTP `/v1/*` requests without the right Bearer key."""
+class AccessMiddleware:
+    """HTTP `/v1/*`, in OpenAI's error shape: 403 for an Origin outside `--allowed-origins` (CORS alone would
+    let a browser's "simple" cross-site POST run, only hiding the answer), then 401 without the right Bearer key."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, allowed_origins: tuple[str, ...]) -> None:
         self.app = app
         self.api_key = api_key
+        self.allowed_origins = allowed_origins
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.api_key is not None and scope["type"] == "http" and scope["path"].startswith("/v1/")
-                and not key_matches(bearer_token(Headers(scope=scope)), self.api_key)):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if not origin_allowed(headers, self.allowed_origins):
+            response = error_response(403, f"Origin {headers['origin']!r} is not allowed (--allowed-origins).",
+                                      "permission_error", code="origin_not_allowed")
+        elif self.api_key is not None and not key_matches(bearer_token(headers), self.api_key):
             response = error_response(401, "Missing or invalid API key: send `Authorization: Bearer KEY`.",
                                       "authentication_error", code="invalid_api_key")
-            await response(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        await response(scope, receive, send)
+
+
+class PendingAuth:
+    """WebSockets open but not yet authenticated, oldest first, at most `limit` of them.
+
+    Admitting one more when full evicts the oldest, so sockets without the key can only push each other
+    out: they never hold a `--max-connections` slot, and a client that sends `hello` at once is evicted
+    only if `limit` newer sockets arrive before its `hello` does.
+    """
+
+    def __init__(self, limit: int) -> None:
+        assert limit >= 1
+        self.limit = limit
+        self._waiting: dict[Hashable, asyncio.Event] = {}  # insertion order is age
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def admit(self, who: Hashable) -> asyncio.Event:
+        """Start waiting; the event is set if `who` is evicted before it `leave`s."""
+        assert who not in self._waiting
+        if len(self._waiting) >= self.limit:
+            self._waiting.pop(next(iter(self._waiting))).set()
+        evicted = self._waiting[who] = asyncio.Event()
+        return evicted
+
+    def leave(self, who: Hashable) -> None:
+        self._waiting.pop(who, None)
+
+    def evict_all(self) -> None:
+        for evicted in self._waiting.values():
+            evicted.set()
+        self._waiting.clear()

@@ -45,6 +45,12 @@ class ServerConfig:
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_connections: int | None = None
+    max_pending_auth: int = 64
+    max_http_connections: int = 1024
+    timeout_auth: float = 10.0
+    timeout_headers: float = 10.0
+    timeout_body: float = 30.0
+    timeout_keep_alive: int = 5
     max_inflight_per_connection: int = 16
     max_queued_requests: int = 1024
     max_message_bytes: int = 1 << 20
@@ -54,9 +60,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        for name in ("max_inflight_per_connection", "max_queued_requests", "max_message_bytes"):
+        for name in ("max_inflight_per_connection", "max_queued_requests", "max_message_bytes", "max_pending_auth",
+                     "max_http_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("timeout_auth", "timeout_headers", "timeout_body", "timeout_keep_alive"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("--max-connections must be >= 1")
         if self.timeout_graceful_shutdown < 0:
@@ -149,7 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", help="require this key on /v1/* and the WebSocket")
     s.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
                    help="comma-separated Origins allowed to open WebSockets; repeatable (default: any)")
-    s.add_argument("--max-connections", type=int, help="most open WebSocket connections (default: no limit)")
+    s.add_argument("--max-connections", type=int,
+                   help="most authenticated WebSocket connections; sockets still waiting to authenticate do not "
+                        "count (default: no limit)")
+    s.add_argument("--max-pending-auth", type=int, default=d.max_pending_auth,
+                   help="most WebSockets waiting to send `hello` (with --api-key); one more closes the oldest "
+                        "(default: %(default)s)")
+    s.add_argument("--max-http-connections", type=int, default=d.max_http_connections,
+                   help="most open HTTP connections; one more closes the oldest still sending its request, or gets 503 "
+                        "(default: %(default)s)")
+    s.add_argument("--timeout-auth", type=float, default=d.timeout_auth,
+                   help="seconds a WebSocket has to send `hello` (with --api-key) (default: %(default)s)")
+    s.add_argument("--timeout-headers", type=float, default=d.timeout_headers,
+                   help="seconds an HTTP connection has to send a whole request head, 408 after (default: %(default)s)")
+    s.add_argument("--timeout-body", type=float, default=d.timeout_body,
+                   help="seconds an HTTP request body may pause between bytes, 408 after (default: %(default)s)")
+    s.add_argument("--timeout-keep-alive", type=int, default=d.timeout_keep_alive,
+                   help="seconds an idle HTTP connection stays open waiting for a request (default: %(default)s)")
     s.add_argument("--max-inflight-per-connection", type=int, default=d.max_inflight_per_connection,
                    help="most concurrent chats on one WebSocket (default: %(default)s)")
     s.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,

@@ -1,20 +1,23 @@
 """OpenAI-compatible HTTP: `/v1/chat/completions`, `/v1/completions` (JSON or SSE) and `/v1/models`.
 
-Errors use OpenAI's `{"error": {message, type, param, code}}` shape. A client that disconnects
-aborts its request (and frees its KV cache) whether it was streaming or waiting for the JSON.
+Errors use OpenAI's `{"error": {message, type, param, code}}` shape; every 400 carries a `code` (docs/protocol.md
+§10). A client that disconnects aborts its request (and frees its KV cache) whether it was streaming or waiting
+for the JSON. Parameters that would change the output and are not implemented are refused, never ignored.
 """
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from msgspec import Meta, Struct
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from service import json_guard
 from service.handle import GenerateRequest, RequestError, RequestHandle
 from service.protocol import StopString
 from service.openai_render import ChatRender, CompletionRender, Render
@@ -24,7 +27,10 @@ if TYPE_CHECKING:
 
 _STATUS = {"invalid_message": 400, "prompt_too_long": 400, "overloaded": 429, "internal": 500}
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         413: "invalid_request_error", 429: "server_overloaded", 500: "server_error", 503: "service_unavailable"}
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "server_overloaded", 500: "server_error",
+         503: "service_unavailable"}
+# Retry-After: a full queue drains within seconds; a loading model or a restarting server takes longer.
+RETRY_AFTER_S = {429: 1, 503: 5}
 
 
 class HTTPError(Exception):
@@ -33,16 +39,39 @@ class HTTPError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def _error_body(status: int, message: str, type_: str | None, param: str | None, code: str | None) -> dict[str, Any]:
+    if status == 400 and code is None:
+        code = "invalid_message"  # NOTE: the one default of the 400 scheme (docs/protocol.md §10)
+    return {"error": {"message": message, "type": type_ or _TYPE.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
 def error_response(status: int, message: str, type_: str | None = None, param: str | None = None,
-                   code: str | None = None) -> Response:
-    body = {"error": {"message": message, "type": type_ or _TYPE.get(status, "server_error"),
-                      "param": param, "code": code}}
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+                   code: str | None = None, headers: dict[str, str] | None = None) -> Response:
+    headers = dict(headers or {})
+    if status in RETRY_AFTER_S:
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S[status]))
+    return Response(msgspec.json.encode(_error_body(status, message, type_, param, code)), status_code=status,
+                    media_type="application/json", headers=headers)
 
 
 def _from_request_error(e: RequestError) -> HTTPError:
     code = "context_length_exceeded" if e.code == "prompt_too_long" else e.code
     return HTTPError(_STATUS.get(e.code, 500), e.message, code=code)
+
+
+def _failure(h: RequestHandle) -> HTTPError | None:
+    """Why a request ended without an OpenAI answer: its error, or the server cancelled it (at shutdown).
+
+    A cancel is an error here, not a finish_reason: OpenAI has none for it, and "stop" or "length" would
+    pass a cut-off text off as an answer. (A cancel because the client left is never rendered: nobody reads.)
+    """
+    if h.error is not None:
+        return _from_request_error(h.error)
+    if h.finish_reason == "abort":
+        return HTTPError(503, "the server cancelled this request before it finished (it is shutting down); "
+                              "retry shortly")
+    return None
 
 
 # ---- request schemas (unknown fields are ignored: OpenAI clients send many) ---------------------
@@ -77,6 +106,13 @@ class _Common(Struct):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     ignore_eos: bool | None = None
+    # not implemented, and each would change the output: refused by `_refuse_unsupported`, never ignored
+    logit_bias: Any = None
+    response_format: Any = None
+    guided_json: Any = None  # vLLM's guided decoding
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def sampling(self) -> dict[str, Any]:
         names = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -92,6 +128,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: Any = None  # not implemented, see _Common
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
 
 
 class CompletionRequest(_Common):
@@ -100,6 +142,34 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+# parameter -> (the values that leave the output as Sluice makes it, besides null or leaving it out; what is missing)
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": (([],), "no tool calling"),
+    "functions": (([],), "no tool calling"),
+    "tool_choice": (("none", "auto"), "no tool calling"),
+    "function_call": (("none", "auto"), "no tool calling"),
+    "response_format": (({"type": "text"},), 'no structured output: only {"type": "text"}'),
+    "guided_json": ((), "no guided decoding"),
+    "guided_regex": ((), "no guided decoding"),
+    "guided_choice": ((), "no guided decoding"),
+    "guided_grammar": ((), "no guided decoding"),
+    "logit_bias": (({},), "no logit bias"),
+    "audio": ((), "text output only"),
+    "modalities": ((["text"],), "text output only"),
+    "echo": ((False,), "the prompt is not echoed"),
+    "suffix": ((), "no text insertion"),
+    "best_of": ((1,), "one completion per request"),
+}
+
+
+def _refuse_unsupported(body: _Common) -> None:
+    for name, (neutral, missing) in _UNSUPPORTED.items():
+        value = getattr(body, name, None)
+        if value is not None and value not in neutral:
+            raise HTTPError(400, f"`{name}` is not supported by this server ({missing}); leave it out",
+                            param=name, code="unsupported_parameter")
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -111,11 +181,12 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
         role = _ROLES.get(m.role)
         if role is None:
             raise HTTPError(400, f"messages[{i}].role {m.role!r} is not supported; use system, user or assistant",
-                            param=f"messages[{i}].role")
+                            param=f"messages[{i}].role",
+                            code="unsupported_parameter" if m.role in ("tool", "function") else "invalid_message")
         if isinstance(m.content, list):
             if any(p.type != "text" for p in m.content):
                 raise HTTPError(400, f"messages[{i}].content: only text parts are supported",
-                                param=f"messages[{i}].content")
+                                param=f"messages[{i}].content", code="unsupported_parameter")
             content = "".join(p.text or "" for p in m.content)
         else:
             content = m.content or ""
@@ -138,17 +209,35 @@ async def _read_body(request: Request, struct: type[Struct], limit: int) -> Any:
     if int(request.headers.get("content-length") or 0) > limit:
         raise HTTPError(413, f"request body over {limit} bytes (--max-message-bytes)")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPError(413, f"request body over {limit} bytes (--max-message-bytes)")
-        chunks.append(chunk)
     try:
-        return msgspec.json.decode(b"".join(chunks), type=struct)
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, f"request body over {limit} bytes (--max-message-bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-body (or closed by --timeout-body): the transport logs it, nobody reads this
+        raise HTTPError(499, "the client disconnected before sending the whole body") from None
+    data = b"".join(chunks)
+    if (too_deep := json_guard.depth_error(data)) is not None:  # before msgspec recurses into it
+        raise HTTPError(400, f"request body refused: {too_deep}", code="invalid_json")
+    try:
+        return msgspec.json.decode(data, type=struct)
     except msgspec.ValidationError as e:
-        raise HTTPError(400, f"invalid request: {e}") from None
+        raise HTTPError(400, f"invalid request: {e}", param=_param_of(str(e)), code="invalid_message") from None
     except msgspec.DecodeError as e:
-        raise HTTPError(400, f"request body is not valid JSON: {e}") from None
+        if (surrogate := json_guard.surrogate_error(data)) is not None:
+            raise HTTPError(400, f"invalid request: {surrogate}", code="invalid_message") from None
+        raise HTTPError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def _param_of(message: str) -> str | None:
+    """OpenAI's `param` from a msgspec error: `messages[0].role` for "... - at `$.messages[0].role`"."""
+    at, missing = _AT.search(message), _MISSING.search(message)
+    return ".".join(m.group(1) for m in (at, missing) if m and m.group(1)) or None
 
 
 def _check_common(svc: Service, body: _Common) -> None:
@@ -156,7 +245,9 @@ def _check_common(svc: Service, body: _Common) -> None:
         raise HTTPError(404, f"The model `{body.model}` does not exist; this server serves `{svc.model_name}`.",
                         param="model", code="model_not_found")
     if body.n != 1:
-        raise HTTPError(400, "only n=1 is supported; send n separate requests instead", param="n")
+        raise HTTPError(400, "only n=1 is supported; send n separate requests instead", param="n",
+                        code="unsupported_parameter")
+    _refuse_unsupported(body)
     if not svc.accepting:
         raise HTTPError(503, "the server is starting or shutting down; retry shortly")
 
@@ -172,7 +263,8 @@ async def chat_completions(request: Request) -> Response:
             raise HTTPError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         req = GenerateRequest(prompt=_chat_messages(body), chat=True, sampling=body.sampling(),
                               max_tokens=body.max_completion_tokens or body.max_tokens,
-                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, api="chat")
+                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, api="chat",
+                              fit_max_tokens=False)  # as OpenAI: more than the context leaves is a 400
         render = ChatRender(svc.model_name, body.logprobs)
         return await _generate(request, svc, req, render, body)
     except HTTPError as e:
@@ -184,10 +276,9 @@ async def completions(request: Request) -> Response:
     try:
         body = await _read_body(request, CompletionRequest, svc.config.max_message_bytes)
         _check_common(svc, body)
-        if body.echo or body.suffix is not None or (body.best_of or 1) != 1:
-            raise HTTPError(400, "echo, suffix and best_of>1 are not supported")
         req = GenerateRequest(prompt=_completion_prompt(body), chat=False, sampling=body.sampling(),
-                              max_tokens=body.max_tokens or 16, logprobs=body.logprobs, api="completions")
+                              max_tokens=body.max_tokens or 16, logprobs=body.logprobs, api="completions",
+                              fit_max_tokens=body.max_tokens is None)  # the default 16 fits; one asked for must
         render = CompletionRender(svc.model_name, body.logprobs is not None)
         return await _generate(request, svc, req, render, body)
     except HTTPError as e:
@@ -235,8 +326,8 @@ async def _generate(request: Request, svc: Service, req: GenerateRequest, render
     try:
         if not await _wait_for(request.receive, handle, event, ready):
             return Response(status_code=499)  # nobody reads it
-        if handle.error is not None:
-            raise _from_request_error(handle.error)
+        if (failure := _failure(handle)) is not None:
+            raise failure
         if not body.stream:
             return Response(msgspec.json.encode(render.response(handle)), media_type="application/json")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -261,10 +352,8 @@ async def _sse(render: Render, handle: RequestHandle, event: asyncio.Event, incl
             break
         event.clear()
         await event.wait()
-    if handle.error is not None:
-        e = _from_request_error(handle.error)
-        yield _event({"error": {"message": e.message, "type": _TYPE.get(e.status, "server_error"),
-                                "param": None, "code": e.code}})
+    if (e := _failure(handle)) is not None:
+        yield _event(_error_body(e.status, e.message, None, e.param, e.code))
     else:
         for chunk in render.stream_end(handle, include_usage):
             yield _event(chunk)

@@ -19,7 +19,9 @@ def usage(h: RequestHandle) -> dict[str, Any]:
 
 
 def _finish_reason(h: RequestHandle) -> str:
-    return h.finish_reason or "stop"
+    """OpenAI's value. An aborted request never gets here: openai_api answers it with an error."""
+    assert h.finish_reason in ("stop", "length"), f"request {h.request_id} finished with {h.finish_reason!r}"
+    return h.finish_reason
 
 
 class Render(Protocol):

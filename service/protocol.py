@@ -1,7 +1,8 @@
 """Wire types of the WebSocket protocol (docs/protocol.md, version 1) as tagged msgspec Structs.
 
 Client frames are decoded by one module-level Decoder; `decode_client` never raises: a bad frame
-becomes an `Error` to send back. Unknown fields are rejected so typos do not pass silently.
+(nested too deep included: json_guard checks before any decode) becomes an `Error` to send back.
+Unknown fields are rejected so typos do not pass silently.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Raw, Struct
+
+from service import json_guard
 
 PROTOCOL_VERSION = 1
 
@@ -147,32 +150,43 @@ class Stats(_Out, tag="stats"):
 
 ServerMessage = Ready | Start | Delta | Done | Error | Pong | Stats
 
+
+class _ChatIdProbe(Struct):
+    """What a refused frame says about itself. Every other field is skipped, not converted, so a value that
+    refused the frame (`1e999`, out of a float's range) does not hide its id."""
+    type: str | None = None
+    id: ChatId | None = None
+
+
 _decoder = msgspec.json.Decoder(ClientMessage)
+_probe = msgspec.json.Decoder(_ChatIdProbe)
 _encoder = msgspec.json.Encoder()
 
 
 def decode_client(frame: str | bytes) -> ClientMessage | Error:
-    """Parse one client frame. Malformed JSON -> `invalid_json`; valid JSON of the wrong shape -> `invalid_message`."""
+    """Parse one client frame. Malformed JSON, or nested deeper than json_guard.MAX_DEPTH -> `invalid_json`;
+    valid JSON of the wrong shape (an unpaired surrogate in a string included) -> `invalid_message`."""
+    if (too_deep := json_guard.depth_error(frame)) is not None:
+        return Error(code="invalid_json", message=f"frame refused: {too_deep}")
     try:
         return _decoder.decode(frame)
     except msgspec.ValidationError as e:
         return Error(code="invalid_message", message=f"frame does not match the protocol: {e}",
                      id=_chat_id_of(frame))
     except msgspec.DecodeError as e:
+        if (surrogate := json_guard.surrogate_error(frame)) is not None:
+            return Error(code="invalid_message", message=f"frame does not match the protocol: {surrogate}",
+                         id=_chat_id_of(json_guard.without_unpaired_surrogates(frame)))
         return Error(code="invalid_json", message=f"frame is not valid JSON: {e}")
 
 
 def _chat_id_of(frame: str | bytes) -> str | None:
     """The `id` of an invalid `chat` frame, when it has a well-formed one, so the client can match the error."""
     try:
-        obj = msgspec.json.decode(frame)
-    except msgspec.DecodeError:
+        probe = _probe.decode(frame)
+    except msgspec.DecodeError:  # the id itself is malformed, or the frame is not an object
         return None
-    if isinstance(obj, dict) and obj.get("type") == "chat":
-        cid = obj.get("id")
-        if isinstance(cid, str) and 1 <= len(cid) <= 64:
-            return cid
-    return None
+    return probe.id if probe.type == "chat" else None
 
 
 def encode(msg: ServerMessage) -> str:

@@ -1,7 +1,10 @@
-"""Runs the app under uvicorn (uvloop, the `websockets` implementation) with Sluice's shutdown order.
+"""Runs the app under uvicorn (uvloop, h11 and websockets-sansio behind service/transport.py's guards)
+with Sluice's shutdown order.
 
-SIGTERM/SIGINT: stop accepting, drain (in-flight chats finish, bounded), close sockets 1001, exit 0.
-An engine that dies makes the process exit 1, so a supervisor restarts it instead of serving 503s.
+SIGTERM/SIGINT: refuse new chats and upgrades while still answering `/health` (503 `draining`), drain
+(in-flight chats finish, bounded), close sockets 1001, then stop listening and exit 0. An engine that
+dies makes the process exit 1, so a supervisor restarts it instead of serving 503s. Query strings never
+reach the log: a key sent as `?api_key=` would otherwise sit in every access line.
 """
 from __future__ import annotations
 
@@ -15,8 +18,20 @@ import uvicorn
 
 from service.app import Service, build_app
 from service.config import ServerConfig
+from service.transport import HttpGuard, SluiceWebSocketProtocol
 
 log = logging.getLogger("sluice.server")
+
+
+class RedactQueries(logging.Filter):
+    """For uvicorn's loggers: a logged path keeps `?` but not its query, which may hold a credential
+    (`/v1/ws?api_key=s3cret` -> `/v1/ws?<redacted>`). No Sluice route reads a query string."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(a.partition("?")[0] + "?<redacted>" if isinstance(a, str) and a.startswith("/")
+                                and "?" in a else a for a in record.args)
+        return True
 
 
 class SluiceServer(uvicorn.Server):
@@ -41,8 +56,8 @@ class SluiceServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        for server in getattr(self, "servers", []):
-            server.close()  # stop accepting before the drain, not after it
+        # NOTE: the listener stays open through the drain, so a load balancer sees /health's 503 `draining`
+        # (a closed port tells it nothing); uvicorn closes it after, in super().shutdown().
         if not self.force_exit and self.service.bridge.fatal is None:
             await self.service.drain(self.graceful_timeout, give_up=lambda: self.force_exit)
         await super().shutdown(sockets)
@@ -58,12 +73,16 @@ def serve(config: ServerConfig) -> int:
     # uvicorn warns that its legacy `websockets` implementation is deprecated; Sluice runs `websockets-sansio`
     # (docs/architecture.md §9).
     warnings.filterwarnings("ignore", message=".*`websockets` implementation is deprecated.*")
+    guard = HttpGuard(config.timeout_headers, config.timeout_body, config.max_http_connections)
     ucfg = uvicorn.Config(
-        app, host=config.host, port=config.port, loop="uvloop", ws="websockets-sansio",
+        app, host=config.host, port=config.port, loop="uvloop", http=guard.protocol(), ws=SluiceWebSocketProtocol,
         ws_per_message_deflate=False,  # compression costs CPU per token frame and enables zip-bomb frames
         ws_max_size=config.max_message_bytes, lifespan="on", log_level=config.log_level,
+        timeout_keep_alive=config.timeout_keep_alive,
         timeout_graceful_shutdown=2,  # after our own drain only the last bytes of HTTP responses remain
     )
+    for name in ("uvicorn.access", "uvicorn.error"):  # after uvicorn.Config, which configures logging
+        logging.getLogger(name).addFilter(RedactQueries())
     server = SluiceServer(ucfg, app.state.service)
     server.graceful_timeout = config.timeout_graceful_shutdown
     server.run()

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
 from starlette.responses import PlainTextResponse
+from starlette.status import WS_1001_GOING_AWAY, WS_1008_POLICY_VIOLATION, WS_1013_TRY_AGAIN_LATER
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from service.auth import bearer_token, key_matches, origin_allowed
+from service.budget import LoopBudget
 from service.handle import GenerateRequest, RequestError, RequestHandle
 from service.protocol import (
-    Cancel, Chat, Delta, Done, Error, Hello, Ping, Pong, Ready, ServerMessage, Start, Stats, StatsRequest,
-    Timing, Usage, decode_client, encode,
+    Cancel, Chat, Delta, Done, Error, ErrorCode, Hello, Ping, Pong, Ready, ServerMessage, Start, Stats,
+    StatsRequest, Timing, Usage, decode_client, encode,
 )
 
 if TYPE_CHECKING:
@@ -24,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.ws")
 
-AUTH_TIMEOUT_S = 10.0  # a client that neither sends a key header nor `hello` is dropped after this
 CONTROL_HIGH_WATER = 256  # queued replies (pong, stats, errors) before the reader stops reading
 _FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
@@ -48,6 +50,7 @@ class Connection:
         self._dirty: dict[str, _Chat] = {}  # insertion-ordered set of chats with output to send
         self._wake = asyncio.Event()
         self._space = asyncio.Event()
+        self._budget = LoopBudget()
         self._space.set()
         self._close_code: int | None = None
 
@@ -57,8 +60,22 @@ class Connection:
         self._wake.set()
 
     async def run(self) -> None:
-        if not await self._authenticate():
+        """Accept, authenticate (docs/protocol.md §2), then serve until the socket closes."""
+        key = self.svc.config.api_key
+        token = bearer_token(self.ws.headers)
+        # NOTE: counted (in `connections` or `pending_auth`) before the first await, so a burst cannot overshoot
+        if key is None or (token is not None and key_matches(token, key)):
+            self.svc.connections.add(self)  # decided by the upgrade request: never waits
+            await self.ws.accept()
+        elif token is not None:
+            await self.ws.accept()
+            await self._refuse("the API key in the Authorization header is wrong")
             return
+        else:
+            evicted = self.svc.pending_auth.admit(self)
+            await self.ws.accept()
+            if not await self._hello(key, evicted):
+                return
         writer = asyncio.create_task(self._write_loop())
         try:
             self._send(self._ready())
@@ -70,37 +87,61 @@ class Connection:
                     self.svc.bridge.abort(chat.handle)
 
     # ---- reading ---------------------------------------------------------------------------
-    async def _authenticate(self) -> bool:
-        key = self.svc.config.api_key
-        if key is None:
-            return True
-        token = bearer_token(self.ws.headers)
-        if token is not None:
-            return key_matches(token, key) or await self._refuse("the API key in the Authorization header is wrong")
+    async def _hello(self, key: str, evicted: asyncio.Event) -> bool:
+        """Wait in `pending_auth` for the first frame, a `hello` with the key; then take a connection slot."""
+        timeout = self.svc.config.timeout_auth
+        receive = asyncio.ensure_future(self.ws.receive())
+        pushed_out = asyncio.ensure_future(evicted.wait())
         try:
-            message = await asyncio.wait_for(self.ws.receive(), AUTH_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            return await self._refuse(f"no `hello` within {AUTH_TIMEOUT_S:.0f} s")
+            done, _ = await asyncio.wait({receive, pushed_out}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pushed_out.cancel()
+            receive.cancel()  # a no-op once it has its frame
+            self.svc.pending_auth.leave(self)
+        if receive not in done:
+            if self.svc.draining:
+                await self._close(WS_1001_GOING_AWAY)
+                return False
+            if evicted.is_set():
+                return await self._refuse(f"{self.svc.config.max_pending_auth} newer sockets are waiting to "
+                                          "authenticate (--max-pending-auth); reconnect and send `hello` at once",
+                                          "overloaded", WS_1013_TRY_AGAIN_LATER)
+            return await self._refuse(f"no `hello` within {timeout:g} s (--timeout-auth)")
+        message = receive.result()
         if message["type"] == "websocket.disconnect":
             return False
         match decode_client(message.get("text") or b""):  # a binary frame is never a valid `hello`
             case Hello(api_key=presented) if key_matches(presented, key):
-                return True
+                pass
             case Hello():
                 return await self._refuse("wrong API key in `hello`")
             case _:
                 return await self._refuse('authenticate first: send {"type": "hello", "api_key": KEY} '
                                           "or the header `Authorization: Bearer KEY`")
+        cap = self.svc.config.max_connections
+        if cap is not None and len(self.svc.connections) >= cap:
+            return await self._refuse(f"all {cap} connections are in use (--max-connections); retry later",
+                                      "overloaded", WS_1013_TRY_AGAIN_LATER)
+        self.svc.connections.add(self)
+        return True
 
-    async def _refuse(self, message: str) -> bool:
-        log.info("websocket refused: unauthorized")
-        self.svc.metrics.observe_error("unauthorized")
+    async def _refuse(self, message: str, code: ErrorCode = "unauthorized",
+                      close_code: int = WS_1008_POLICY_VIOLATION) -> bool:
+        """Before `ready`: one `error` frame, then close."""
+        log.info("websocket refused: %s", code)
+        self.svc.metrics.observe_error(code)
         try:
-            await self.ws.send_text(encode(Error(code="unauthorized", message=message)))
-            await self.ws.close(1008, "unauthorized")
+            await self.ws.send_text(encode(Error(code=code, message=message)))
+        except (WebSocketDisconnect, OSError, RuntimeError):
+            return False
+        await self._close(close_code, code)
+        return False
+
+    async def _close(self, code: int, reason: str = "") -> None:
+        try:
+            await self.ws.close(code, reason)
         except (WebSocketDisconnect, OSError, RuntimeError):
             pass
-        return False
 
     async def _read_loop(self, writer: asyncio.Task[None]) -> None:
         while not writer.done():
@@ -109,11 +150,16 @@ class Connection:
             message = await self.ws.receive()
             if message["type"] == "websocket.disconnect":
                 return
+            if self._close_code is not None:
+                continue  # closing: nothing the client sends now starts anything
             text = message.get("text")
             if text is None:
                 self._error("invalid_message", "binary frames are not accepted; send JSON as a text frame")
                 continue
+            started = time.perf_counter()
             self._handle(decode_client(text))
+            if (wait := self._budget.charge(time.perf_counter() - started)) > 0:
+                await asyncio.sleep(wait)  # this connection has had its share of the loop (service/budget.py)
 
     def _handle(self, msg: object) -> None:
         match msg:
@@ -129,8 +175,14 @@ class Connection:
                 self._send(Pong(data=data))
             case StatsRequest():
                 self._send(self._stats())
-            case Hello():  # already authenticated (or no key set): answer as at connect
-                self._send(self._ready())
+            case Hello(api_key=presented):  # already authenticated (or no key set)
+                key = self.svc.config.api_key
+                if key is None or key_matches(presented, key):
+                    self._send(self._ready())
+                else:
+                    log.info("websocket closed: wrong API key in a later `hello`")
+                    self._error("unauthorized", "wrong API key in `hello`; closing")
+                    self.shutdown(WS_1008_POLICY_VIOLATION)
             case Error(id=chat_id) if chat_id is not None and chat_id in self.chats:
                 # NOTE: an id in flight must not see a second terminal message; report it frame-level
                 self._error(msg.code, f"(frame for in-flight id {chat_id!r}) {msg.message}")
@@ -151,7 +203,7 @@ class Connection:
             self._error("overloaded", "the server is shutting down; reconnect later", msg.id)
             return
         chat = _Chat(msg.id)
-        request = GenerateRequest(prompt=msg.message_dicts(), chat=True, sampling=msg.sampling_kwargs(),
+        request = GenerateRequest(prompt=msg.messages, chat=True, sampling=msg.sampling_kwargs(),
                                   max_tokens=msg.max_tokens, api="ws")
         try:
             chat.handle = self.svc.bridge.submit(request, lambda: self._mark(chat))
@@ -253,18 +305,17 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     elif svc.config.max_connections is not None and len(svc.connections) >= svc.config.max_connections:
         refusal = (503, f"too many connections (limit {svc.config.max_connections}); retry later")
     if refusal is not None:
-        log.info("websocket upgrade refused: %d", refusal[0])
+        log.debug("websocket upgrade refused: %d %s", *refusal)  # uvicorn logs the status line at info
         try:
             await websocket.send_denial_response(PlainTextResponse(refusal[1], status_code=refusal[0]))
         except RuntimeError:  # server without the denial-response extension: refuse by closing
-            await websocket.close(1008 if refusal[0] == 403 else 1013)
+            await websocket.close(WS_1008_POLICY_VIOLATION if refusal[0] == 403 else WS_1013_TRY_AGAIN_LATER)
         return
     conn = Connection(websocket, svc)
-    svc.connections.add(conn)  # NOTE: counted before the first await, so a burst cannot overshoot
     svc.metrics.websocket_connections.inc()
     try:
-        await websocket.accept()
         await conn.run()
     finally:
         svc.connections.discard(conn)
+        svc.pending_auth.leave(conn)
         svc.metrics.websocket_connections.dec()

@@ -1,6 +1,6 @@
 """Real `sluice serve` subprocesses on free loopback ports (embedded tiny model), plus WebSocket helpers.
 
-`main_server` is shared by the whole session; modules with special flags start their own.
+`main_server` (tests/conftest.py) is shared by the whole session; modules with special flags start their own.
 Servers run with OMP_NUM_THREADS=1: on a small shared CPU box torch's spinning worker threads
 slow every step several-fold, and the in-process reference engine uses the same setting.
 """
@@ -9,11 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from tests.server import REPO, Server, free_port, start_server  # noqa: F401  (re-exported to the tests)
@@ -27,14 +24,6 @@ MAIN_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in MAIN_ENGINE.items()] + 
 # finish it between the event the test waits for and its next move. Never a number of seconds.
 LONG = MAIN_ENGINE["max_model_len"] - 128
 TOO_LONG = "word " * 1500  # 4,500 prompt tokens (three a word): over max_model_len
-
-
-@pytest.fixture(scope="session")
-def main_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("main-server"), *MAIN_FLAGS)
-    yield server
-    code = server.stop()
-    assert code == 0, f"server exited with {code}:\n{server.log_text()[-4000:]}"
 
 
 # ---- WebSocket helpers ----------------------------------------------------------------------

@@ -68,6 +68,8 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_SERVED_MODEL_NAME": "m", "SLUICE_API_KEY": "k", "SLUICE_ALLOWED_ORIGINS": "http://a.example, http://b.example",
         "SLUICE_MAX_CONNECTIONS": "5", "SLUICE_MAX_INFLIGHT_PER_CONNECTION": "3", "SLUICE_MAX_QUEUED_REQUESTS": "9",
         "SLUICE_MAX_MESSAGE_BYTES": "4096", "SLUICE_TIMEOUT_GRACEFUL_SHUTDOWN": "2.5", "SLUICE_LOG_LEVEL": "debug",
+        "SLUICE_MAX_PENDING_AUTH": "7", "SLUICE_MAX_HTTP_CONNECTIONS": "99", "SLUICE_TIMEOUT_AUTH": "1.5",
+        "SLUICE_TIMEOUT_HEADERS": "2.5", "SLUICE_TIMEOUT_BODY": "3.5", "SLUICE_TIMEOUT_KEEP_ALIVE": "4",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -77,7 +79,8 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         long_prefill_token_threshold=64, max_num_partial_prefills=2, seed=7, pin_system_prompt=(str(prompt_a), str(prompt_b)),
         host="0.0.0.0", port=9000, served_model_name="m", api_key="k", allowed_origins=("http://a.example", "http://b.example"),
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
-        timeout_graceful_shutdown=2.5, log_level="debug")
+        timeout_graceful_shutdown=2.5, log_level="debug", max_pending_auth=7, max_http_connections=99,
+        timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_keep_alive=4)
 
 
 def test_flags_win_over_variables_and_empty_means_unset(tmp_path) -> None:
@@ -117,7 +120,9 @@ def test_a_flag_hides_a_bad_variable() -> None:
 
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-connections", "0"], ["--dtype", "float64"],
-                                  ["--pin-system-prompt", "/no/such/file"], ["--api-key", ""], ["--bogus"]])
+                                  ["--pin-system-prompt", "/no/such/file"], ["--api-key", ""], ["--bogus"],
+                                  ["--max-pending-auth", "0"], ["--max-http-connections", "0"], ["--timeout-auth", "0"],
+                                  ["--timeout-headers", "-1"], ["--timeout-body", "0"], ["--timeout-keep-alive", "0"]])
 def test_bad_flags_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         parse_config(argv, {})

@@ -80,6 +80,11 @@ def test_openai_errors(client: openai.OpenAI, model: str) -> None:
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=MESSAGES, temperature=5)
+    for create in (lambda n: client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=n),
+                   lambda n: client.completions.create(model=model, prompt="hi", max_tokens=n)):
+        with pytest.raises(openai.BadRequestError) as e:  # as OpenAI and vLLM: refused, not silently capped
+            create(MAIN_ENGINE["max_model_len"])
+        assert e.value.code == "context_length_exceeded" and "max_tokens" in e.value.message
 
 
 def test_http_error_shapes(main_server: Server, model: str) -> None:

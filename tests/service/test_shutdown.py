@@ -1,6 +1,7 @@
-"""SIGTERM mid-stream: the server stops accepting and refuses new chats, the stream in flight
-completes in full, its socket closes with 1001, and the process exits 0. An engine that cannot
-start makes the process exit 1 instead of serving 503 forever."""
+"""SIGTERM mid-stream: `/health` answers 503 `draining` (the listener stays open for load balancers to
+see it), new chats are refused, the stream in flight completes in full, its socket closes with 1001,
+and the process exits 0. An engine that cannot start makes the process exit 1 instead of serving 503
+forever."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
@@ -19,12 +21,12 @@ from tests.service.conftest import LONG, REPO, check_chat_frames, free_port, ope
 TOKENS = LONG  # still streaming when the late chat arrives, however fast the CPU
 
 
-def _health_refused(url: str) -> bool:
+def _health(url: str) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2):
-            return False
-    except OSError:  # connection refused (listener closed) or HTTP 503 (draining)
-        return True
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 async def test_sigterm_lets_the_stream_finish_then_exits_0(tiny_model_dir, tmp_path) -> None:
@@ -36,12 +38,14 @@ async def test_sigterm_lets_the_stream_finish_then_exits_0(tiny_model_dir, tmp_p
         assert [f["type"] for f in frames] == ["start", "delta"]
         server.proc.send_signal(signal.SIGTERM)
 
-        for _ in range(100):  # the listener closes within a tick of the signal
-            if await asyncio.to_thread(_health_refused, server.url):
+        for _ in range(100):  # draining within a tick of the signal, and the listener still answers
+            status, body = await asyncio.to_thread(_health, server.url)
+            if status != 200:
                 break
             await asyncio.sleep(0.05)
         else:
-            pytest.fail("server still accepting after SIGTERM")
+            pytest.fail("server still healthy after SIGTERM")
+        assert (status, body) == (503, {"status": "draining"})
         await ws.send(json.dumps(user_chat("late", "hi")))
 
         late = None

@@ -1,0 +1,30 @@
+"""`LoopBudget`: one connection's share of the event loop, as a token bucket of loop seconds.
+
+Every frame a connection sends costs the loop some time to decode and check (a 1 MB frame of 28,000 tiny
+messages: ~7 ms). A client that sends such frames as fast as it is answered would keep the loop busy, and,
+through the GIL, stall the engine thread and every other stream. The reader charges each frame's cost here
+and, once a connection has spent its burst, waits before reading on; TCP then holds the client back.
+Ordinary chat frames cost microseconds and never wait.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+SHARE = 0.1  # of the loop's time, per connection, sustained
+BURST_S = 0.01  # loop seconds a connection may spend at once before it is slowed
+
+
+class LoopBudget:
+    def __init__(self, share: float = SHARE, burst_s: float = BURST_S,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.share, self.burst_s, self.clock = share, burst_s, clock
+        self.tokens = burst_s
+        self.at = clock()
+
+    def charge(self, seconds: float) -> float:
+        """Spend `seconds` of loop time; returns how long to wait before the connection's next frame."""
+        now = self.clock()
+        self.tokens = min(self.burst_s, self.tokens + (now - self.at) * self.share) - seconds
+        self.at = now
+        return max(0.0, -self.tokens / self.share)

@@ -1,0 +1,250 @@
+"""uvicorn's protocol classes with Sluice's connection guards (docs/protocol.md §8).
+
+HTTP (h11): a request head must be whole within `--timeout-headers` of the connection going idle, a body
+may pause at most `--timeout-body`, and at most `--max-http-connections` are open (a WebSocket leaves the
+count at its upgrade). At the bound, the connection that has waited longest on its client (for a head or a
+body) is closed to make room; only when every one is running a request does a new one get 503.
+WebSocket (websockets-sansio): neither an upgrade refused with a denial response nor a text frame that is
+not UTF-8 is logged as an error, and each upgrade gets uvicorn's one log line, not websockets' own besides.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any, ClassVar, Literal
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.utils import get_client_addr
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+from service.openai_api import error_response
+
+log = logging.getLogger("sluice.transport")
+
+# Where a connection is: waiting on its client for a request head or the rest of a body, or the app answers.
+Phase = Literal["head", "body", "busy"]
+
+
+class HttpGuard:
+    """One server's open HTTP connections and their deadlines (the flags of the same names)."""
+
+    def __init__(self, timeout_headers: float, timeout_body: float, max_connections: int) -> None:
+        assert timeout_headers > 0 and timeout_body > 0 and max_connections >= 1
+        self.timeout_headers = timeout_headers
+        self.timeout_body = timeout_body
+        self.max_connections = max_connections
+        self._waiting: dict[GuardedH11Protocol, None] = {}  # on their client, longest-waiting first
+        self._busy: set[GuardedH11Protocol] = set()
+
+    def __len__(self) -> int:
+        return len(self._waiting) + len(self._busy)
+
+    def admit(self, conn: GuardedH11Protocol) -> bool:
+        """Count a new connection, at the bound evicting the longest-waiting one; False: every one is busy."""
+        if len(self) >= self.max_connections:
+            if not self._waiting:
+                return False
+            oldest = next(iter(self._waiting))
+            self.leave(oldest)
+            oldest.evict()
+        self._waiting[conn] = None
+        return True
+
+    def enter(self, conn: GuardedH11Protocol, phase: Phase) -> None:
+        self.leave(conn)
+        if phase == "busy":
+            self._busy.add(conn)
+        else:
+            self._waiting[conn] = None  # to the back: its wait starts now
+
+    def leave(self, conn: GuardedH11Protocol) -> None:
+        self._waiting.pop(conn, None)
+        self._busy.discard(conn)
+
+    def protocol(self) -> type[GuardedH11Protocol]:
+        """The class to give uvicorn as `http`: `GuardedH11Protocol` bound to this guard."""
+
+        class Bound(GuardedH11Protocol):
+            pass
+
+        Bound.guard = self
+        return Bound
+
+
+def _raw_response(status: int, message: str, code: str, type_: str | None = None) -> bytes:
+    """A whole `connection: close` response in OpenAI's error shape, written past h11 (which has no request
+    to answer before a head is whole)."""
+    response = error_response(status, message, type_, code=code)
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}".encode()]
+    lines += [name + b": " + value for name, value in response.raw_headers]
+    lines.append(b"connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n" + bytes(response.body)
+
+
+class GuardedH11Protocol(H11Protocol):
+    guard: ClassVar[HttpGuard]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._phase: Phase | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._done = False  # upgraded, refused or closed by the guard: nothing more to follow
+
+    @property
+    def _peer(self) -> str:
+        return "%s:%d" % self.client if self.client else "?"
+
+    def _request_line(self) -> str:
+        return f"{self.scope['method']} {self.scope['path']}" if self.scope else "-"
+
+    # ---- uvicorn's protocol, followed ------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if not self.guard.admit(self):
+            log.info("%s: refused: all %d HTTP connections are running requests (--max-http-connections): 503",
+                     self._peer, self.guard.max_connections)
+            self._done = True
+            self.transport.write(_raw_response(
+                503, f"all {self.guard.max_connections} HTTP connections are in use; retry shortly",
+                "too_many_connections"))
+            self.transport.close()
+            return
+        # uvicorn arms its keep-alive timer only after a response: a connection that never sends a byte gets it too
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self._follow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._set_deadline(None)
+        self.guard.leave(self)
+        if not self._done and self._phase == "body" and self.cycle is not None and not self.cycle.response_complete:
+            log.info("%s: %s: the client closed the connection before sending the whole body",
+                     self._peer, self._request_line())
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow(data_arrived=True)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        self._set_deadline(None)
+        self.guard.leave(self)  # WebSockets are bounded by --max-connections and --max-pending-auth
+        self._done = True
+        super().handle_websocket_upgrade(event)
+
+    # ---- the guard -------------------------------------------------------------------------------
+    def _follow(self, data_arrived: bool = False) -> None:
+        """Track h11's state: which deadline runs, and whether the guard may evict this connection."""
+        if self._done or self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.SEND_BODY:
+            phase: Phase = "body"
+        elif self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
+            phase = "head"
+        else:
+            phase = "busy"
+        if phase != self._phase:
+            self._phase = phase
+            self.guard.enter(self, phase)
+        elif not (phase == "body" and data_arrived):
+            return  # a head's deadline runs from its start; only a body's restarts with each byte
+        if phase == "head":
+            self._set_deadline(self.guard.timeout_headers, self._head_timeout)
+        elif phase == "body":
+            self._set_deadline(self.guard.timeout_body, self._body_timeout)
+        else:
+            self._set_deadline(None)
+
+    def _set_deadline(self, delay: float | None, callback: Callable[[], None] | None = None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = None if delay is None or callback is None else self.loop.call_later(delay, callback)
+
+    def _head_timeout(self) -> None:
+        if not self._has_partial_request():
+            self._close()  # idle: nothing to say
+            return
+        limit = self.guard.timeout_headers
+        log.info("%s: no whole request head within %g s (--timeout-headers): 408", self._peer, limit)
+        self._close(_raw_response(408, f"no whole request head within {limit:g} s", "request_timeout",
+                                  "invalid_request_error"))
+
+    def _body_timeout(self) -> None:
+        limit = self.guard.timeout_body
+        if self.flow.read_paused:  # the app has not read what came: the wait is the server's, not the client's
+            self._set_deadline(limit, self._body_timeout)
+            return
+        log.info("%s: %s: request body idle for %g s (--timeout-body): closed", self._peer, self._request_line(), limit)
+        self._close(_raw_response(408, f"the request body stopped for {limit:g} s", "request_timeout",
+                                  "invalid_request_error"))
+
+    def evict(self) -> None:
+        """Closed to make room for a new connection; the guard has already stopped counting it."""
+        if not self._has_partial_request():
+            log.debug("%s: idle connection closed to make room (--max-http-connections)", self._peer)
+            self._close()
+            return
+        log.info("%s: closed while still sending its request, to make room (--max-http-connections %d): 503",
+                 self._peer, self.guard.max_connections)
+        self._close(_raw_response(503, "too many connections were open; this one waited longest for its "
+                                       "request, retry", "too_many_connections"))
+
+    def _has_partial_request(self) -> bool:
+        return self._phase == "body" or bool(self.conn.trailing_data[0])
+
+    def _close(self, response: bytes | None = None) -> None:
+        """Answer (if nothing has been answered yet) and close; the app, if running, reads a disconnect."""
+        self._done = True
+        self._set_deadline(None)
+        cycle = self.cycle if self._phase == "body" else None  # a head phase's cycle is the previous request's
+        if response is not None and (cycle is None or not cycle.response_started):
+            self.transport.write(response)
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # its writes go nowhere, and uvicorn reports nothing
+            cycle.message_event.set()
+        self.transport.close()
+
+
+class _DebugInfo(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Logs INFO at DEBUG; warnings and errors pass unchanged."""
+
+    def info(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        self.debug(msg, *args, **kwargs)
+
+
+class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
+    """websockets-sansio, but an upgrade refused with a denial response counts as a finished handshake.
+
+    uvicorn forgets to mark it so and logs "ASGI callable returned without completing handshake" at ERROR
+    for every refused upgrade (Kludex/uvicorn#3138; its wsproto protocol gets it right). It also logs a
+    traceback at ERROR for each text frame that is not UTF-8; here that is one line at INFO, and the same
+    close 1007. websockets' own INFO lines ("connection open", "connection rejected", "connection closed")
+    repeat uvicorn's line for the same upgrade, so they go to DEBUG.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn.logger = _DebugInfo(self.conn.logger, {})
+
+    def send_receive_event_to_app(self) -> None:
+        if self.curr_msg_data_type == "text" and not self.close_sent:
+            try:
+                b"".join(self.frames).decode()
+            except UnicodeDecodeError:
+                log.info("%s: a text frame that is not UTF-8: close 1007", get_client_addr(self.scope))
+                self.frames = []
+                self.conn.send_close(1007)
+                self.handle_parser_exception()
+                return
+        super().send_receive_event_to_app()
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
+            self.handshake_complete = True

@@ -1,0 +1,380 @@
+"""Hostile connections against real `sluice serve` processes: sockets without the key flooding the
+authentication phase, slowloris (a bare connect, a head or body that never ends, a half-sent upgrade),
+clients that drop mid-body or get refused, a key in the URL, a cross-site POST, a wrong `hello` after
+`ready`, too many HTTP connections, and a drain seen from a load balancer (docs/protocol.md §2, §7, §8).
+
+Timeouts are set short by flags; "closed within its timeout" means closed within the timeout plus
+MARGIN, a deadline only a very slow host could miss. Random choices are seeded; loops are bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tests.hostile.conftest import read_until_closed, still_open
+from tests.server import Server, start_server
+from tests.service.conftest import recv, send, user_chat
+
+KEY = "hostile-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GOOD_ORIGIN, EVIL_ORIGIN = "http://good.example", "http://evil.example"
+MODEL_FLAGS = ["--num-kv-blocks=256", "--max-model-len=1024"]
+LONG = 1024 - 128  # a completion that cannot finish before the test hangs up on it
+TIMEOUT = 1  # --timeout-headers, --timeout-body and --timeout-keep-alive of `guarded`, in seconds
+TIMEOUT_AUTH = 2  # its --timeout-auth
+MARGIN = 10.0
+MAX_CONNECTIONS, MAX_PENDING = 2, 4  # of `guarded`
+HTTP_LIMIT, BOUNDED_MAX_CONNECTIONS, BOUNDED_PENDING = 4, 3, 2  # of `bounded`
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(
+        tmp_path_factory.mktemp("hostile-guarded"), *MODEL_FLAGS, f"--max-connections={MAX_CONNECTIONS}",
+        f"--max-pending-auth={MAX_PENDING}", f"--timeout-auth={TIMEOUT_AUTH}", f"--timeout-headers={TIMEOUT}",
+        f"--timeout-body={TIMEOUT}", f"--timeout-keep-alive={TIMEOUT}", f"--allowed-origins={GOOD_ORIGIN}",
+        env={"SLUICE_API_KEY": KEY})
+    yield server
+    assert server.stop() == 0, server.log_tail(60)
+    assert "Traceback" not in server.log_text(), server.log_tail(80)
+
+
+@pytest.fixture(scope="module")
+def bounded(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Few HTTP connections and pending sockets, deadlines far beyond any test: what closes here was evicted."""
+    server = start_server(
+        tmp_path_factory.mktemp("hostile-bounded"), *MODEL_FLAGS, f"--max-http-connections={HTTP_LIMIT}",
+        f"--max-connections={BOUNDED_MAX_CONNECTIONS}", f"--max-pending-auth={BOUNDED_PENDING}",
+        "--timeout-auth=600", "--timeout-headers=600", "--timeout-body=600", "--timeout-keep-alive=600",
+        env={"SLUICE_API_KEY": KEY})
+    yield server
+    assert server.stop() == 0, server.log_tail(60)
+    assert "Traceback" not in server.log_text(), server.log_tail(80)
+
+
+async def _authed(server: Server) -> ClientConnection:
+    ws = await connect(server.ws_url, additional_headers=AUTH)
+    assert (await recv(ws))["type"] == "ready"
+    return ws
+
+
+async def _closed_with(ws: ClientConnection, within: float = MARGIN) -> tuple[list[dict], int | None]:
+    """The frames a socket gets until the server closes it, and the close code."""
+    frames = []
+    try:
+        async with asyncio.timeout(within):
+            while True:
+                frames.append(json.loads(await ws.recv()))
+    except ConnectionClosed as e:
+        return frames, e.rcvd.code if e.rcvd is not None else None
+
+
+async def _raw(server: Server, data: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    if data:
+        writer.write(data)
+        await writer.drain()
+    return reader, writer
+
+
+async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Close our side and wait for the server to close its own, so it no longer counts the connection."""
+    writer.write_eof()
+    await read_until_closed(reader, MARGIN)
+    writer.close()
+
+
+async def _wait_websockets(server: Server, n: int) -> None:
+    """Until the server has `n` WebSockets open: a socket's slot frees a moment after its close handshake."""
+    deadline = time.monotonic() + MARGIN
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        while True:
+            text = (await http.get("/metrics")).text
+            if float(re.search(r"^sluice_websocket_connections (\S+)$", text, re.MULTILINE)[1]) == n:
+                return
+            assert time.monotonic() < deadline, f"not {n} websockets open:\n{text}"
+            await asyncio.sleep(0.05)
+
+
+def _new_log(server: Server, offset: int) -> str:
+    return server.log_text()[offset:]
+
+
+# ---- 1. clients without the key cannot lock out clients with it ---------------------------------
+async def test_keyless_flood_never_locks_out_clients_with_the_key(guarded: Server) -> None:
+    rng = random.Random(13)
+    stop = asyncio.Event()
+    closes: Counter[int | None] = Counter()
+
+    async def flooder() -> None:  # holds a socket without the key until the server drops it, then reopens
+        while not stop.is_set():
+            try:
+                ws = await connect(guarded.ws_url)
+            except InvalidStatus as e:  # 503 while a closing client's slot is not yet free: try again
+                assert e.response.status_code == 503
+                await asyncio.sleep(0.5)
+                continue
+            frames, code = await _closed_with(ws, TIMEOUT_AUTH + MARGIN)
+            assert [f["code"] for f in frames] == ["overloaded" if code == 1013 else "unauthorized"], frames
+            closes[code] += 1
+            await asyncio.sleep(0.5)
+
+    flood = [asyncio.create_task(flooder()) for _ in range(MAX_PENDING + 2)]
+    try:
+        await asyncio.sleep(0.5)  # the pending pool is full
+        for _ in range(8):  # each way of authenticating, every time
+            ws = await _authed(guarded)
+            await ws.close()
+            ws = await connect(guarded.ws_url)
+            await send(ws, type="hello", api_key=KEY)
+            assert (await recv(ws))["type"] == "ready"
+            await ws.close()
+            await asyncio.sleep(rng.uniform(0.0, 0.3))
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*flood), TIMEOUT_AUTH + MARGIN)
+    assert set(closes) <= {1008, 1013} and closes[1013] >= 1, closes  # evicted, or timed out: nothing else
+    await _wait_websockets(guarded, 0)
+
+
+async def test_a_socket_that_never_says_hello_is_closed_1008(guarded: Server) -> None:
+    ws = await connect(guarded.ws_url)
+    start = time.monotonic()
+    frames, code = await _closed_with(ws, TIMEOUT_AUTH + MARGIN)
+    assert code == 1008 and [f["code"] for f in frames] == ["unauthorized"], (code, frames)
+    assert time.monotonic() - start >= TIMEOUT_AUTH * 0.9
+
+
+async def test_pending_sockets_push_out_only_each_other(bounded: Server) -> None:
+    pending = [await connect(bounded.ws_url) for _ in range(BOUNDED_PENDING)]
+    newest = await connect(bounded.ws_url)  # one more: the oldest is evicted
+    frames, code = await _closed_with(pending[0])
+    assert code == 1013 and frames[0]["code"] == "overloaded" and frames[0]["id"] is None, (code, frames)
+    authed = [await _authed(bounded) for _ in range(BOUNDED_MAX_CONNECTIONS)]  # pending ones hold no slot
+    await send(pending[1], type="hello", api_key=KEY)  # the right key, but every slot is taken now
+    frames, code = await _closed_with(pending[1])
+    assert code == 1013 and frames[0]["code"] == "overloaded", (code, frames)
+    await authed[0].close()
+    await _wait_websockets(bounded, 1 + BOUNDED_MAX_CONNECTIONS - 1)  # `newest`, and the authenticated left
+    await send(newest, type="hello", api_key=KEY)
+    assert (await recv(newest))["type"] == "ready"
+    for ws in [newest, *authed[1:]]:
+        await ws.close()
+    await _wait_websockets(bounded, 0)
+
+
+# ---- 2. expected client behaviour logs one line, never a traceback --------------------------------
+async def test_drops_mid_body_bad_utf8_and_refused_upgrades_log_no_error(guarded: Server) -> None:
+    offset = len(guarded.log_text())
+    ws = await _authed(guarded)
+    await ws.send(b"\xff\xfe not UTF-8", text=True)
+    assert (await _closed_with(ws))[1] == 1007
+    drops = 5
+    for k in range(drops):
+        _, writer = await _raw(guarded, (
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
+            f"content-type: application/json\r\ncontent-length: 1000\r\n\r\n" + '{"model": "m", ' * (k + 1)).encode())
+        await asyncio.sleep(0.05)
+        writer.close()
+    with pytest.raises(InvalidStatus) as info:
+        await connect(guarded.ws_url, origin=EVIL_ORIGIN, additional_headers=AUTH)
+    assert info.value.response.status_code == 403
+    await _wait_websockets(guarded, 0)
+    full = [await _authed(guarded) for _ in range(MAX_CONNECTIONS)]
+    with pytest.raises(InvalidStatus) as info:
+        await connect(guarded.ws_url, additional_headers=AUTH)
+    assert info.value.response.status_code == 503
+    for ws in full:
+        await ws.close()
+    await _wait_websockets(guarded, 0)
+
+    deadline = time.monotonic() + MARGIN
+    while _new_log(guarded, offset).count("before sending the whole body") < drops:
+        assert time.monotonic() < deadline, _new_log(guarded, offset)
+        await asyncio.sleep(0.1)
+    log = _new_log(guarded, offset)
+    assert "Traceback" not in log and "ERROR" not in log and "WARNING" not in log, log
+    assert log.count("before sending the whole body") == drops, log  # one line per drop
+    assert log.count("not UTF-8") == 1, log
+    assert log.count('"WebSocket /v1/ws" 403') == 1 and log.count('"WebSocket /v1/ws" 503') == 1, log
+    assert "connection rejected" not in log, log  # websockets' second line for the same refusal
+
+
+# ---- 3. slowloris: every way of sending nothing is timed out -------------------------------------
+HEAD = b"GET /health HTTP/1.1\r\nhost: x\r\n"
+SLOW = {
+    "bare connect": (b"", None, b""),
+    "head that never ends": (HEAD, b"x-slow: " + b"a" * 64, b"HTTP/1.1 408 "),
+    "body that never arrives": (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
+                                "content-type: application/json\r\ncontent-length: 100\r\n\r\n".encode(),
+                                None, b"HTTP/1.1 408 "),
+    "half-sent upgrade": (b"GET /v1/ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                          b"sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n",
+                          None, b"HTTP/1.1 408 "),
+}
+
+
+@pytest.mark.parametrize("case", SLOW)
+async def test_slowloris_is_closed_within_its_timeout(guarded: Server, case: str) -> None:
+    first, dribble, answer = SLOW[case]
+    reader, writer = await _raw(guarded, first)
+
+    async def drip() -> None:  # a byte every 0.2 s: a head's deadline is not reset by progress
+        for byte in dribble or b"":
+            await asyncio.sleep(0.2)
+            writer.write(bytes([byte]))
+
+    dripping = asyncio.create_task(drip())
+    try:
+        data, took = await read_until_closed(reader, TIMEOUT + MARGIN)
+    finally:
+        dripping.cancel()
+        writer.close()
+    assert data.startswith(answer) and (answer or not data), data
+    assert took >= TIMEOUT * 0.9, took
+    if answer:
+        assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+
+
+# ---- 4. the smaller ones -------------------------------------------------------------------------
+async def test_wrong_key_hello_after_ready_closes_1008(guarded: Server) -> None:
+    ws = await _authed(guarded)
+    await send(ws, type="hello", api_key=KEY)
+    assert (await recv(ws))["type"] == "ready"  # the right key again: harmless
+    await send(ws, type="hello", api_key="guess")
+    await ws.send(json.dumps(user_chat("after", "hi", max_tokens=2)))  # must not run
+    frames, code = await _closed_with(ws)
+    assert code == 1008, (code, frames)
+    assert frames == [{"type": "error", "code": "unauthorized", "message": frames[0]["message"], "id": None}], frames
+
+
+async def test_query_strings_stay_out_of_the_log(guarded: Server) -> None:
+    offset = len(guarded.log_text())
+    async with httpx.AsyncClient(base_url=guarded.url, headers=AUTH) as http:
+        assert (await http.get("/v1/models", params={"api_key": "SECRET-ONE"})).status_code == 200
+    ws = await connect(f"{guarded.ws_url}?api_key=SECRET-TWO", additional_headers=AUTH)
+    assert (await recv(ws))["type"] == "ready"
+    await ws.close()
+    deadline = time.monotonic() + MARGIN
+    while "/v1/ws?" not in _new_log(guarded, offset):
+        assert time.monotonic() < deadline, _new_log(guarded, offset)
+        await asyncio.sleep(0.1)
+    log = _new_log(guarded, offset)
+    assert "SECRET" not in log, log
+    assert "/v1/models?<redacted>" in log and "/v1/ws?<redacted>" in log, log
+
+
+async def test_origin_allow_list_guards_http_too(guarded: Server) -> None:
+    body = json.dumps({"model": "sluice-tiny-v1", "prompt": "hi", "max_tokens": 1})
+    plain = {"content-type": "text/plain"}  # a "simple" cross-site request: browsers send it without preflight
+    async with httpx.AsyncClient(base_url=guarded.url) as http:
+        for headers in ({**plain, **AUTH, "origin": EVIL_ORIGIN}, {**plain, "origin": EVIL_ORIGIN}):
+            r = await http.post("/v1/completions", content=body, headers=headers)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+        for headers in ({**plain, **AUTH, "origin": GOOD_ORIGIN}, {**plain, **AUTH}):  # no Origin: not a browser
+            r = await http.post("/v1/completions", content=body, headers=headers)
+            assert r.status_code == 200, r.text
+
+
+# ---- 3. a bound on HTTP connections that slow clients cannot fill --------------------------------
+async def test_at_the_bound_the_longest_waiting_connection_makes_room(bounded: Server) -> None:
+    # WebSockets leave the HTTP count at the upgrade
+    sockets = [await _authed(bounded) for _ in range(BOUNDED_MAX_CONNECTIONS)]
+    # bodies that never come: the head is read (the server asks for the body), the connection waits on its client
+    slow = []
+    for _ in range(HTTP_LIMIT):
+        reader, writer = await _raw(bounded, (
+            f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\nexpect: 100-continue\r\n"
+            "content-type: application/json\r\ncontent-length: 100\r\n\r\n").encode())
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), MARGIN)).startswith(b"HTTP/1.1 100 ")
+        slow.append((reader, writer))
+    async with httpx.AsyncClient(base_url=bounded.url) as http:
+        assert (await http.get("/health")).status_code == 200  # evicts the oldest slow one
+    data, _ = await read_until_closed(slow[0][0], MARGIN)
+    assert data.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in data, data
+    assert all([await still_open(reader) for reader, _ in slow[1:]])
+    slow[0][1].close()
+    for reader, writer in slow[1:]:
+        await _hang_up(reader, writer)
+    # idle connections (no byte sent) are evicted the same way, silently
+    idle = [await _raw(bounded) for _ in range(HTTP_LIMIT)]
+    async with httpx.AsyncClient(base_url=bounded.url) as http:
+        assert (await http.get("/health")).status_code == 200
+    assert (await read_until_closed(idle[0][0], MARGIN))[0] == b""
+    idle[0][1].close()
+    for reader, writer in idle[1:]:
+        await _hang_up(reader, writer)
+    for ws in sockets:  # untouched
+        await send(ws, type="ping", data=1)
+        assert await recv(ws) == {"type": "pong", "data": 1}
+        await ws.close()
+    await _wait_websockets(bounded, 0)
+
+
+async def test_when_every_connection_runs_a_request_a_new_one_gets_503(bounded: Server) -> None:
+    body = json.dumps({"model": "sluice-tiny-v1", "prompt": "go", "max_tokens": LONG, "ignore_eos": True,
+                       "stream": True}).encode()
+    busy = []
+    for _ in range(HTTP_LIMIT):
+        reader, writer = await _raw(bounded, (
+            f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body)
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), MARGIN)).startswith(b"HTTP/1.1 200 ")
+        busy.append(writer)
+    reader, writer = await _raw(bounded)
+    data, _ = await read_until_closed(reader, MARGIN)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in data, data
+    for writer in busy:  # hanging up cancels the streams
+        writer.close()
+    deadline = time.monotonic() + MARGIN
+    while True:  # and frees their slots
+        try:
+            if httpx.get(f"{bounded.url}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "no slot came free after the streams were closed"
+        await asyncio.sleep(0.1)
+
+
+# ---- 4. draining, as a load balancer sees it ----------------------------------------------------
+async def test_draining_is_visible_on_health_until_the_listener_closes(tiny_model_dir, tmp_path) -> None:
+    server = start_server(tmp_path, *MODEL_FLAGS, "--timeout-graceful-shutdown=60")
+    try:
+        ws = await connect(server.ws_url)
+        assert (await recv(ws))["type"] == "ready"
+        await ws.send(json.dumps(user_chat("long", "go on", max_tokens=LONG, ignore_eos=True)))
+        assert (await recv(ws))["type"] == "start"  # the drain now lasts until this chat ends
+        server.proc.send_signal(signal.SIGTERM)
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            deadline = time.monotonic() + MARGIN
+            while (r := await http.get("/health", headers={"connection": "close"})).status_code == 200:
+                assert time.monotonic() < deadline, "still healthy after SIGTERM"
+                await asyncio.sleep(0.05)
+            assert r.status_code == 503 and r.json() == {"status": "draining"}, r.text
+            r = await http.post("/v1/completions", json={"model": "sluice-tiny-v1", "prompt": "hi"})
+            assert r.status_code == 503, r.text
+        with pytest.raises(InvalidStatus) as info:
+            await connect(server.ws_url)
+        assert info.value.response.status_code == 503
+        await send(ws, type="cancel", id="long")
+        frames, code = await _closed_with(ws, MARGIN)
+        assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "cancelled" and code == 1001
+        assert await asyncio.to_thread(server.proc.wait, MARGIN * 3) == 0, server.log_tail(40)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.url}/health")
+        assert "Traceback" not in server.log_text() and "ERROR" not in server.log_text(), server.log_tail(60)
+    finally:
+        server.stop()

@@ -1,0 +1,33 @@
+"""LoopBudget (service/budget.py): ordinary frames never wait; a connection that keeps spending the loop's time
+waits so that, sustained, it gets `share` of it."""
+from __future__ import annotations
+
+from service.budget import LoopBudget
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_cheap_frames_never_wait() -> None:
+    clock = Clock()
+    budget = LoopBudget(share=0.1, burst_s=0.01, clock=clock)
+    for _ in range(10_000):  # 10,000 frames of 50 us, one every 1 ms: 5% of the loop
+        clock.t += 0.001
+        assert budget.charge(50e-6) == 0.0
+
+
+def test_expensive_frames_get_their_share() -> None:
+    clock = Clock()
+    budget = LoopBudget(share=0.1, burst_s=0.01, clock=clock)
+    spent = 0.0
+    for _ in range(1000):  # 7 ms frames, sent as soon as the reader is willing
+        clock.t += 0.007  # handling the frame
+        wait = budget.charge(0.007)
+        spent += 0.007
+        clock.t += wait
+    assert abs(spent / clock.t - 0.1) < 0.01, spent / clock.t

@@ -1,0 +1,53 @@
+"""`HttpGuard` (service/transport.py) without sockets: the bound, and who is evicted to make room.
+The deadlines themselves run against a real server in tests/hostile/test_connections.py."""
+from __future__ import annotations
+
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from service.transport import HttpGuard
+
+
+class _Conn:  # stands in for a GuardedH11Protocol
+    def __init__(self) -> None:
+        self.evicted = False
+
+    def evict(self) -> None:
+        self.evicted = True
+
+
+def _guard(limit: int) -> HttpGuard:
+    return HttpGuard(timeout_headers=10, timeout_body=30, max_connections=limit)
+
+
+def test_at_the_bound_the_longest_waiting_connection_is_evicted() -> None:
+    guard = _guard(3)
+    a, b, c, d, e = conns = [_Conn() for _ in range(5)]
+    g: Any = guard  # the guard's type hints name the real protocol
+    for conn in (a, b, c):
+        assert g.admit(conn)
+    g.enter(a, "busy")  # running a request: never evicted
+    g.enter(b, "body")  # waiting on its client from now on: behind c
+    assert g.admit(d) and c.evicted and not b.evicted and len(guard) == 3
+    assert g.admit(e) and b.evicted and not a.evicted
+    assert [x.evicted for x in conns] == [False, True, True, False, False]
+
+
+def test_when_every_connection_runs_a_request_a_new_one_is_refused() -> None:
+    guard = _guard(2)
+    a, b, c = (_Conn() for _ in range(3))
+    g: Any = guard
+    for conn in (a, b):
+        g.admit(conn)
+        g.enter(conn, "busy")
+    assert not g.admit(c) and len(guard) == 2 and not a.evicted and not b.evicted
+    g.leave(a)
+    assert g.admit(c) and len(guard) == 2
+
+
+def test_the_protocol_class_is_bound_to_its_guard() -> None:
+    guard = _guard(1)
+    protocol = guard.protocol()
+    assert issubclass(protocol, H11Protocol) and protocol.guard is guard
+    assert _guard(1).protocol().guard is not guard
