@@ -1,4 +1,4 @@
-"""CLI: `python -m bench WORKLOAD... [--quick] [--model DIR]`; WORKLOAD is offline, stall, prefix, serve or all.
+"""CLI: `python -m bench WORKLOAD... [--quick] [--model DIR]`; WORKLOAD is offline, stall, prefix, serve, flood or all.
 
 The thread environment is fixed here, before torch is imported, so every system (and the server
 subprocess of `serve`) runs with the same intra-op threads and OpenMP wait policy.
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOADS = ("offline", "stall", "prefix", "serve")
+WORKLOADS = ("offline", "stall", "prefix", "serve", "flood")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -65,14 +65,15 @@ def isa() -> list[str]:
 
 
 def kernel_path() -> str:
-    """Which kernels served the CPU runs of this process (asked after the engines ran)."""
-    if torch.cuda.is_available():
-        return "triton"
-    from kernels import cpu
+    """Which kernels the engine runs on this host (the CPU build it loads, or would load)."""
+    import kernels
+    from engine.config import sluice_home
 
-    if not cpu.loaded():
-        return "torch"
-    return "native, AMX prefill" if cpu.amx() else "native, SDPA prefill"
+    if torch.cuda.is_available() or kernels.MODE == "triton":
+        return "triton"
+    if kernels.MODE == "torch" or not (kernels.cpu.loaded() or kernels.cpu.load(sluice_home() / "build")):
+        return "torch"  # as the engine does: it loads the same build (a server subprocess too)
+    return "native, AMX prefill" if kernels.cpu.amx() else "native, SDPA prefill"
 
 
 def host_slug(host: dict | None = None) -> str:

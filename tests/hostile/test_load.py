@@ -145,7 +145,7 @@ async def test_many_message_flood_does_not_stall_a_neighbour(server: Server) -> 
     connection that keeps the loop busy is read more slowly (service/budget.py)."""
     tokens = 600
     alone = max(await _neighbour_gaps(server, tokens))
-    flooder = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "tests.hostile.flooder", server.ws_url],
+    flooder = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "bench.flooder", server.ws_url],
                                cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         for _ in range(3):  # the flood is under way: three frames refused

@@ -1,6 +1,6 @@
-"""`python -m tests.hostile.flooder WS_URL`: sends 1 MB frames of 28,000 one-character messages as fast as the
-server answers them, printing one line per refusal; run beside a test, in a process of its own at a low CPU
-priority (an attacker's CPU is on another machine; here it shares the test's two cores)."""
+"""`python -m bench.flooder WS_URL`: sends 1 MB frames of 28,000 one-character messages as fast as the server
+answers them, printing each answer's error code, one a line. `bench flood` and tests/hostile run it in a
+process of its own at a low CPU priority: an attacker's CPU is on another machine, here it shares two cores."""
 from __future__ import annotations
 
 import asyncio
