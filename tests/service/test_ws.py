@@ -79,7 +79,6 @@ async def test_streaming_is_incremental(main_server: Server) -> None:
     frames += (await collect(ws, {"inc"}))["inc"]
     text, done = check_chat_frames(frames)
     assert done["finish_reason"] == "cancelled" and done["usage"]["completion_tokens"] < LONG
-    assert sum(f["tokens"] for f in frames if f["type"] == "delta") == done["usage"]["completion_tokens"]
     assert done["timing"]["ttft_ms"] <= done["timing"]["total_ms"]
     await ws.close()
 
