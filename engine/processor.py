@@ -6,6 +6,7 @@ API, and the server runs a second on a tokenizer thread, so the engine thread on
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,9 +15,15 @@ from typing import Any
 from engine import loader
 from engine.request import PromptTooLongError
 
+log = logging.getLogger("sluice.engine")
+
 # NOTE: no tokenizer packs more characters than this into one token of ordinary text; a prompt's token
 # count is therefore at least its characters / this, which bounds it before anything is tokenized.
 MAX_CHARS_PER_TOKEN = 16
+# The early bound refuses only prompts it puts past this many contexts: a guard against floods, not the length
+# check (that runs on the tokens). Some templates drop content (Qwen3 strips earlier turns' <think> text,
+# Llama 2 drops a system message that is not first), so a prompt's characters can overstate its tokens.
+EARLY_SLACK = 4
 
 Messages = Sequence[Any]  # {"role", "content"} dicts, or objects with those attributes
 
@@ -27,6 +34,9 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.tokens_per_message = self._tokens_per_message()
+        if self.tokens_per_message == 0:
+            log.warning("the chat template's tokens per message could not be measured: prompts with many short "
+                        "messages are only bounded by their characters before they are tokenized")
 
     def chat_ids(self, messages: Messages) -> list[int]:
         """The chat template applied to `messages`, with the generation prompt, tokenized. A message is a
@@ -61,21 +71,23 @@ class InputProcessor:
         return ids
 
     def refuse_early(self, prompt: Messages | str | list[int]) -> None:
-        """Raises `PromptTooLongError` when a lower bound on the prompt's tokens already fills the context.
+        """Raises `PromptTooLongError` for token ids that fill the context, or text whose lower bound on tokens
+        fills EARLY_SLACK contexts.
 
         O(messages), no tokenizer: characters / MAX_CHARS_PER_TOKEN, plus what the template adds per message
         (28,000 one-character messages are refused here, not after a second of templating)."""
+        limit = EARLY_SLACK * self.max_model_len
         if isinstance(prompt, str):
             bound, what = math.ceil(len(prompt) / MAX_CHARS_PER_TOKEN), f"{len(prompt)} characters"
         elif prompt and not isinstance(prompt[0], int):
             bound, what = (len(prompt) - 1) * self.tokens_per_message, f"{len(prompt)} messages"
-            if bound < self.max_model_len:  # NOTE: only then read the contents (a flood sends 28,000 messages)
+            if bound < limit:  # NOTE: only then read the contents (a flood sends 28,000 messages)
                 chars = sum(len((m.get("content") if isinstance(m, dict) else m.content) or "") for m in prompt)
                 bound += math.ceil(chars / MAX_CHARS_PER_TOKEN)
                 what = f"{len(prompt)} messages of {chars} characters"
         else:
-            bound, what = len(prompt), f"{len(prompt)} tokens"
-        if bound >= self.max_model_len:
+            bound, what, limit = len(prompt), f"{len(prompt)} tokens", self.max_model_len  # exact: no slack
+        if bound >= limit:
             raise PromptTooLongError(f"the prompt ({what}) is at least {bound} tokens; the context is "
                                      f"{self.max_model_len} tokens")
 

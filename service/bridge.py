@@ -70,7 +70,8 @@ class EngineBridge:
         self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready
         self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-tokenizer",
                                                                 initializer=_yield_to_the_engine)
-        self._tokenizing: dict[str, bool] = {}  # request_id -> aborted while its prompt was tokenized
+        self._tokenizing: dict[str, asyncio.Future[list[int]]] = {}  # request_id -> its prompt's ids, to come
+        self._aborted_early: set[str] = set()  # aborted while their prompt was queued or being tokenized
         self._rate = TokenRate()
         self.ready = False
         self.fatal: str | None = None
@@ -87,6 +88,7 @@ class EngineBridge:
     async def stop(self, timeout: float = 10.0) -> None:
         if self._thread is None:
             return
+        self.ready = False  # nothing is submitted from now on
         self._inbox.put(("stop",))
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
@@ -117,9 +119,9 @@ class EngineBridge:
         handle = RequestHandle(str(next(self._ids)), req.api, notify)
         self._handles[handle.request_id] = handle
         self._num_queued += 1
-        self._tokenizing[handle.request_id] = False
         assert self._loop is not None
-        future = self._loop.run_in_executor(self._tokenizer, self._processor.prompt_ids, req.prompt, req.chat)
+        future = self._tokenizing[handle.request_id] = self._loop.run_in_executor(
+            self._tokenizer, self._processor.prompt_ids, req.prompt, req.chat)
         future.add_done_callback(lambda f: self._tokenized(handle, req, f))
         return handle
 
@@ -127,16 +129,22 @@ class EngineBridge:
         """Stop a request; it finishes with finish_reason "abort" after the engine's next step (or as soon as
         its prompt is tokenized, if it is still being tokenized)."""
         if handle.request_id in self._tokenizing:
-            self._tokenizing[handle.request_id] = True
+            self._aborted_early.add(handle.request_id)
+            self._tokenizing[handle.request_id].cancel()  # a prompt still queued is never tokenized
         elif not handle.finished:
             self._inbox.put(("abort", handle.request_id))
 
     def _tokenized(self, handle: RequestHandle, req: GenerateRequest, future: asyncio.Future[list[int]]) -> None:
         """On the loop, in submission order: hand the ids to the engine, or finish the request here."""
-        aborted = self._tokenizing.pop(handle.request_id)
+        del self._tokenizing[handle.request_id]
+        aborted = handle.request_id in self._aborted_early
+        self._aborted_early.discard(handle.request_id)
         if handle.finished:  # the engine died meanwhile
             return
         if aborted or future.cancelled():
+            # NOTE: "started" with no prompt computed, as the engine reports an abort: a done follows a start
+            handle.prompt_tokens = 0
+            self._num_queued -= 1
             return self._finish(handle, "abort", None)
         try:
             ids = future.result()
