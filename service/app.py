@@ -26,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 from service import openai_api, ws
 from service.auth import AccessMiddleware, PendingAuth
 from service.bridge import EngineBridge
+from service.budget import PeerBudgets
 from service.config import ServerConfig
 from service.metrics import Metrics
 
@@ -54,6 +55,7 @@ class Service:
                                    pinned_system_prompts=pinned, metrics=self.metrics)
         self.connections: set[Connection] = set()  # authenticated; --max-connections counts these
         self.pending_auth = PendingAuth(config.max_pending_auth)  # open, still waiting to send `hello`
+        self.http_budgets = PeerBudgets()  # event-loop time spent decoding each peer's HTTP bodies
         self.draining = False
         self.started_at = int(time.time())
 

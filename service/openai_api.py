@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -218,6 +219,16 @@ async def _read_body(request: Request, struct: type[Struct], limit: int) -> Any:
     except ClientDisconnect:  # gone mid-body (or closed by --timeout-body): the transport logs it, nobody reads this
         raise HTTPError(499, "the client disconnected before sending the whole body") from None
     data = b"".join(chunks)
+    started = time.perf_counter()
+    try:
+        return _decode_body(data, struct)
+    finally:  # a peer whose bodies keep the loop busy waits for its answers (service/budget.py)
+        peer = request.client.host if request.client else "-"
+        if (wait := request.app.state.service.http_budgets.charge(peer, time.perf_counter() - started)) > 0:
+            await asyncio.sleep(wait)
+
+
+def _decode_body(data: bytes, struct: type[Struct]) -> Any:
     if (too_deep := json_guard.depth_error(data)) is not None:  # before msgspec recurses into it
         raise HTTPError(400, f"request body refused: {too_deep}", code="invalid_json")
     try:

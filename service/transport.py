@@ -143,6 +143,12 @@ class GuardedH11Protocol(H11Protocol):
         """Track h11's state: which deadline runs, and whether the guard may evict this connection."""
         if self._done or self.transport.is_closing():
             return
+        if self.conn.their_state is h11.SEND_BODY and self.conn.our_state in (h11.DONE, h11.MUST_CLOSE):
+            # answered (413, 401, 403, ...) before the body was whole: the rest is for nobody, and a client
+            # trickling it would keep the connection forever
+            log.info("%s: %s: answered before its body was whole: closed", self._peer, self._request_line())
+            self._close()
+            return
         if self.conn.their_state is h11.SEND_BODY:
             phase: Phase = "body"
         elif self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:

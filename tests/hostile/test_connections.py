@@ -9,6 +9,7 @@ MARGIN, a deadline only a very slow host could miss. Random choices are seeded; 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -378,3 +379,27 @@ async def test_draining_is_visible_on_health_until_the_listener_closes(tiny_mode
         assert "Traceback" not in server.log_text() and "ERROR" not in server.log_text(), server.log_tail(60)
     finally:
         server.stop()
+
+
+async def test_a_request_answered_before_its_body_is_whole_is_closed(bounded: Server) -> None:
+    """A 413 for a declared 1 TB body, then the client trickles bytes on: the server closes the connection
+    (it used to read the rest for nobody, for as long as the client kept sending)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", bounded.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + KEY.encode()
+                 + b"\r\ncontent-type: application/json\r\ncontent-length: 1000000000000\r\n\r\n{")
+    await writer.drain()
+
+    async def trickle() -> None:
+        with contextlib.suppress(OSError):
+            for _ in range(int(MARGIN * 10)):
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+
+    sender = asyncio.create_task(trickle())
+    try:
+        data, _ = await read_until_closed(reader, MARGIN)
+    finally:
+        sender.cancel()
+        writer.close()
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]

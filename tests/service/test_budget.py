@@ -2,7 +2,7 @@
 waits so that, sustained, it gets `share` of it."""
 from __future__ import annotations
 
-from service.budget import LoopBudget
+from service.budget import LoopBudget, PeerBudgets
 
 
 class Clock:
@@ -31,3 +31,12 @@ def test_expensive_frames_get_their_share() -> None:
         spent += 0.007
         clock.t += wait
     assert abs(spent / clock.t - 0.1) < 0.01, spent / clock.t
+
+
+def test_peers_are_charged_apart_and_the_table_is_bounded() -> None:
+    clock = Clock()
+    peers = PeerBudgets(size=2, share=0.1, burst_s=0.01, clock=clock)
+    assert peers.charge("flood", 0.05) > 0  # past its burst: its next answer waits
+    assert peers.charge("other", 0.001) == 0.0  # another peer is not slowed by it
+    peers.charge("third", 0.001)  # the table keeps two: "flood", least recently charged, is forgotten
+    assert peers.charge("flood", 0.001) == 0.0 and len(peers._by_peer) == 2
