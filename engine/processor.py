@@ -94,12 +94,15 @@ class InputProcessor:
     def _tokens_per_message(self) -> int:
         """Fewest tokens the chat template adds for one more (empty) message, minus one that may merge with
         the content; 0 where the template cannot tell (it refuses such conversations)."""
+        first = {"role": "user", "content": ""}
+        try:
+            one = len(self.chat_ids([first]))
+        except Exception:
+            return 0
         counts = []
         for role in ("system", "user", "assistant"):
             try:
-                one = len(self.chat_ids([{"role": "user", "content": ""}]))
-                two = len(self.chat_ids([{"role": "user", "content": ""}, {"role": role, "content": ""}]))
-                counts.append(two - one - 1)
+                counts.append(len(self.chat_ids([first, {"role": role, "content": ""}])) - one - 1)
             except Exception:
                 continue
         return max(0, min(counts)) if counts else 0

@@ -16,11 +16,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 from tests.server import REPO, Server, start_server
-from tests.service.conftest import recv, user_chat, wait_engine_idle
+from tests.service.conftest import finished_requests, recv, user_chat, wait_engine_idle
 
 MAX_MODEL_LEN = 4096
 LONG = MAX_MODEL_LEN - 128
@@ -34,16 +33,6 @@ def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     yield s
     assert s.stop() == 0, s.log_tail(60)
     assert "Traceback" not in s.log_text(), s.log_tail(80)
-
-
-def _finished(server: Server) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "sluice_requests_total":
-                out[s.labels["finish_reason"]] = out.get(s.labels["finish_reason"], 0.0) + s.value
-    return out
 
 
 def _http_request(model: str, stream: bool, rng: random.Random) -> bytes:
@@ -93,7 +82,7 @@ async def test_disconnect_storm_leaves_nothing_running(server: Server) -> None:
     """1,200 clients over WebSocket, SSE and HTTP each hang up at a random moment: afterwards nothing runs or
     waits, every KV block is free, and no request ran on to its end for a client that was gone."""
     model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-    before = _finished(server)
+    before = finished_requests(server)
     rng = random.Random(13)
     seeds = [rng.random() for _ in range(STORM_CLIENTS)]
     gate = asyncio.Semaphore(STORM_CONCURRENCY)
@@ -116,7 +105,7 @@ async def test_disconnect_storm_leaves_nothing_running(server: Server) -> None:
         assert (await recv(observer))["type"] == "ready"
         stats = await wait_engine_idle(observer, timeout=120)
     assert stats["requests_in_flight"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    after = _finished(server)
+    after = finished_requests(server)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     assert delta.get("length", 0) == delta.get("stop", 0) == 0, f"generations outlived their clients: {delta}"
     assert delta.get("abort", 0) > STORM_CLIENTS // 2, delta  # most reached the engine before their client left

@@ -11,6 +11,8 @@ import json
 import time
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 
 from tests.server import REPO, Server, free_port, start_server  # noqa: F401  (re-exported to the tests)
@@ -95,3 +97,14 @@ async def wait_engine_idle(ws: ClientConnection, timeout: float = 20.0) -> dict[
 
 def user_chat(chat_id: str, content: str, **params: Any) -> dict[str, Any]:
     return {"type": "chat", "id": chat_id, "messages": [{"role": "user", "content": content}], **params}
+
+
+def finished_requests(server: Server) -> dict[str, float]:
+    """`sluice_requests_total` from the server's /metrics, summed over APIs: finish reason -> requests."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == "sluice_requests_total":
+                reason = sample.labels["finish_reason"]
+                out[reason] = out.get(reason, 0.0) + sample.value
+    return out

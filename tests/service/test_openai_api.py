@@ -10,7 +10,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service.conftest import LONG, MAIN_ENGINE, TOO_LONG, Server, open_ws, wait_engine_idle, wait_running
+from tests.service.conftest import (
+    LONG, MAIN_ENGINE, TOO_LONG, Server, finished_requests, open_ws, wait_engine_idle, wait_running,
+)
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
 
@@ -107,9 +109,7 @@ def _post(port: int, body: bytes) -> socket.socket:
 
 
 def _abort_count(server: Server) -> float:
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
-    return sum(s.value for s in families["sluice_requests"].samples
-               if s.name == "sluice_requests_total" and s.labels["finish_reason"] == "abort")
+    return finished_requests(server).get("abort", 0.0)
 
 
 @pytest.mark.parametrize("stream", [False, True])
