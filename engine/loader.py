@@ -5,6 +5,7 @@ Nothing is downloaded: the tokenizer is opened with `local_files_only=True`.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,36 @@ from safetensors.torch import load_file
 from engine.models import ModelConfig
 
 
+def check_readable(model_dir: str | Path) -> None:
+    """Raises FileNotFoundError or PermissionError naming the real cause, before anything is loaded: an
+    unreadable file would otherwise surface as a missing one (a 0700 directory hides its config.json)."""
+    d = Path(model_dir)
+    uid = os.geteuid() if hasattr(os, "geteuid") else "?"
+    try:
+        exists = d.exists()
+    except PermissionError:
+        raise PermissionError(f"model directory {d} cannot be reached by this process (uid {uid}): a directory "
+                              f"above it is not searchable; `chmod a+x` on that directory") from None
+    if not exists:
+        raise FileNotFoundError(f"model directory {d} does not exist")
+    if not d.is_dir():
+        raise NotADirectoryError(f"model path {d} is not a directory")
+    paths = [d]
+    if os.access(d, os.R_OK | os.X_OK):
+        paths += sorted(p for p in d.iterdir() if p.is_file())
+    unreadable = [p for p in paths if not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0))]
+    if unreadable:
+        def who(p: Path) -> str:
+            st = p.stat()
+            return f"{p.name if p != d else str(d)} (mode {st.st_mode & 0o777:04o}, owner uid {st.st_uid})"
+        shown = ", ".join(who(p) for p in unreadable[:3]) + (f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else "")
+        raise PermissionError(
+            f"model directory {d} is not readable by this process (uid {uid}): {shown}. Make it readable, e.g. "
+            f"`chmod -R a+rX` on it (in Docker: on the host directory mounted there)")
+
+
 def read_config(model_dir: str | Path) -> dict[str, Any]:
+    check_readable(model_dir)
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json)")

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
+import sysconfig
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -37,13 +39,21 @@ log = logging.getLogger("sluice.app")
 
 
 
-def _web_dir() -> Path | None:
-    """The UI: beside the source tree (checkout, editable install), or where the wheel's data-files
-    put it (`pip install .`, the Docker image)."""
-    for d in (Path(__file__).resolve().parent.parent / "web", Path(sys.prefix) / "share" / "sluice" / "web"):
-        if (d / "index.html").is_file():
-            return d
-    return None
+def web_dir_candidates() -> list[Path]:
+    """Where the UI may be: beside the source tree (checkout, editable install), or where the wheel's
+    data-files went (`pip install .`, the Docker image), under this interpreter's install scheme or the
+    user scheme (`pip install --user`)."""
+    dirs = [Path(__file__).resolve().parent.parent / "web"]
+    schemes = [sysconfig.get_default_scheme()] + ([f"{os.name}_user"] if f"{os.name}_user" in sysconfig.get_scheme_names() else [])
+    for data in [sysconfig.get_path("data", s) for s in schemes] + [sys.prefix]:
+        d = Path(data) / "share" / "sluice" / "web"
+        if d not in dirs:
+            dirs.append(d)
+    return dirs
+
+
+def web_dir() -> Path | None:
+    return next((d for d in web_dir_candidates() if (d / "index.html").is_file()), None)
 
 
 class Service:
@@ -146,9 +156,12 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = N
         Route("/models", openai_api.models, methods=["GET"]),
     ])
     routes: list[Any] = [Route("/health", health), Route("/metrics", metrics), api]
-    web = _web_dir()
+    web = web_dir()
     if web is not None:
         routes.append(Mount("/", StaticFiles(directory=web, html=True)))
+    else:  # the API still works; say why `/` will 404
+        log.error("no chat UI: index.html is in none of %s; GET / answers 404",
+                  ", ".join(map(str, web_dir_candidates())))
     middleware = [Middleware(AccessMiddleware, api_key=config.api_key, allowed_origins=config.allowed_origins)]
     if config.allowed_origins:  # browsers calling the HTTP API obey the same list as WebSocket upgrades
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

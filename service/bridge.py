@@ -242,7 +242,12 @@ class _EngineWorker:
 
     def run(self) -> None:
         try:
-            engine = self.bridge._factory()
+            try:
+                engine = self.bridge._factory()
+            except OSError as e:  # the model directory is missing or unreadable; the message says which and why
+                log.error("cannot load the model: %s", e)
+                self.post(self.bridge._on_fatal, f"cannot load the model: {e}")
+                return
             for text in self.bridge._pinned:
                 self._pin(engine, text)
             # the tokenizer thread's own processor (and tokenizer): built here, used only there from now on

@@ -4,7 +4,8 @@ with Sluice's shutdown order.
 SIGTERM/SIGINT: refuse new chats and upgrades while still answering `/health` (503 `draining`), drain
 (in-flight chats finish, bounded), close sockets 1001, then stop listening and exit 0. An engine that
 dies makes the process exit 1, so a supervisor restarts it instead of serving 503s. Query strings never
-reach the log: a key sent as `?api_key=` would otherwise sit in every access line.
+reach the log: a key sent as `?api_key=` would otherwise sit in every access line; successful health probes
+don't either.
 """
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ class RedactQueries(logging.Filter):
             record.args = tuple(a.partition("?")[0] + "?<redacted>" if isinstance(a, str) and a.startswith("/")
                                 and "?" in a else a for a in record.args)
         return True
+
+
+class QuietHealth(logging.Filter):
+    """For uvicorn's access log: no line for a successful `GET /health`. Docker's healthcheck (and a load
+    balancer) asks every few seconds, forever; a failed probe is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) == 5 and args[2] == "/health" and args[4] == 200)
 
 
 class SluiceServer(uvicorn.Server):
@@ -83,6 +93,7 @@ def serve(config: ServerConfig) -> int:
     )
     for name in ("uvicorn.access", "uvicorn.error"):  # after uvicorn.Config, which configures logging
         logging.getLogger(name).addFilter(RedactQueries())
+    logging.getLogger("uvicorn.access").addFilter(QuietHealth())
     server = SluiceServer(ucfg, app.state.service)
     server.graceful_timeout = config.timeout_graceful_shutdown
     server.run()

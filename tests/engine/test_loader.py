@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.loader import load_weights
+from engine.loader import check_readable, load_model_config, load_weights
 from engine.models import ModelConfig
 from engine.tiny import PRESETS, random_weights
 
@@ -78,3 +81,81 @@ def test_tiny_build_is_deterministic(tmp_path):
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
     wa, wb = load_weights(a), load_weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# ---- a model directory this process cannot read -----------------------------------------------------
+def _as_another_user(fn, *args) -> str:
+    """`fn(*args)` in a forked child, as uid/gid 65534 when we are root (root reads any file): its error, if any."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: plain os calls only, then _exit
+        try:
+            os.close(r)
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            try:
+                fn(*args)
+                msg = "no error"
+            except Exception as e:
+                msg = f"{type(e).__name__}: {e}"
+            os.write(w, msg.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 1 << 16):
+        out += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return out.decode()
+
+
+@pytest.fixture
+def model_copy(tiny_model_dir):
+    d = Path(tempfile.mkdtemp(prefix="sluice-perm-"))  # not under pytest's 0700 tmp root: the other user must reach it
+    try:
+        d.chmod(0o755)
+        for f in tiny_model_dir.iterdir():
+            shutil.copy(f, d / f.name)
+            (d / f.name).chmod(0o644)
+        yield d
+    finally:
+        shutil.rmtree(d)
+
+
+def test_readable_model_passes_the_check(model_copy):
+    assert _as_another_user(check_readable, model_copy) == "no error"
+
+
+def test_unreadable_weights_are_a_permission_error_that_names_the_fix(model_copy):
+    (model_copy / "model.safetensors").chmod(0o600 if os.geteuid() == 0 else 0o000)  # 0600: what safetensors writes
+    msg = _as_another_user(load_model_config, model_copy)
+    assert msg.startswith("PermissionError: ") and "model.safetensors (mode 0" in msg, msg
+    assert "chmod -R a+rX" in msg and "config.json" not in msg  # only the file it cannot read is named
+
+
+def test_unreadable_directory_is_not_reported_as_missing_config(model_copy):
+    model_copy.chmod(0o700 if os.geteuid() == 0 else 0o000)  # 0700: what mkdtemp makes
+    msg = _as_another_user(load_model_config, model_copy)
+    assert msg.startswith("PermissionError: ") and f"{model_copy} (mode 0" in msg, msg
+    assert "no config.json" not in msg
+    model_copy.chmod(0o755)
+
+
+def test_missing_directory_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model_config(tmp_path / "nope")
+
+
+def test_written_model_is_readable_by_others(tmp_path):
+    """safetensors writes 0600 and mkdtemp 0700; a model copied into a Docker bind mount must be readable."""
+    from engine.tiny import build
+
+    umask = os.umask(0o022)
+    try:
+        out = build("tiny", tmp_path / "m", progress=False)
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {f.name: 0o644 for f in out.iterdir()}

@@ -42,3 +42,19 @@ def test_loading_then_failed_engine() -> None:
         _wait(lambda: app.state.service.bridge.fatal is not None)
         r = client.get("/health")
         assert r.status_code == 503 and "no such model" in r.json()["error"]
+
+
+def test_a_missing_ui_is_logged_and_the_api_still_serves(monkeypatch, tmp_path, caplog) -> None:
+    """Installed with another layout, `/` 404s: the log says where the UI was looked for (it was silent)."""
+    import service.app
+
+    assert service.app.web_dir() is not None  # this checkout has it
+    monkeypatch.setattr(service.app, "web_dir_candidates", lambda: [tmp_path / "web"])
+    def no_engine() -> object:
+        raise RuntimeError("no engine in this test")
+
+    with caplog.at_level("ERROR", logger="sluice.app"):
+        app = build_app(ServerConfig(served_model_name="m"), engine_factory=no_engine)
+    assert f"no chat UI: index.html is in none of {tmp_path / 'web'}" in caplog.text
+    with TestClient(app) as client:
+        assert client.get("/").status_code == 404 and client.get("/health").status_code == 503

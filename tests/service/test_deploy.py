@@ -1,5 +1,6 @@
-"""Dockerfile, compose.yaml and .env: valid for real tools, agreeing with each other and with `sluice serve`,
-and the container's command line serving a chat outside Docker (no Docker engine is needed here)."""
+"""Dockerfile, compose.yaml and compose.gpu.yaml: valid for real tools, agreeing with each other and with `sluice
+serve`, and the container's command line serving a chat outside Docker (no Docker engine is needed here; the stack
+itself runs in tests/service/test_compose_up.py where one is)."""
 from __future__ import annotations
 
 import json
@@ -25,42 +26,41 @@ from engine.config import sluice_home
 from service.config import build_parser, env_var, flag_actions, parse_config
 from tests.server import REPO, Server, free_port, wait_healthy
 
-SERVICES = {"sluice": "cuda", "sluice-cpu": "cpu"}  # compose service -> Dockerfile TARGET
+VARIANTS = {"cpu": ("compose.yaml",), "cuda": ("compose.yaml", "compose.gpu.yaml")}  # TARGET -> compose files
 BIN = Path(sys.executable).parent  # the venv's `sluice`, `python`, `hadolint`
 
 
-# ---- reading the Dockerfile (dockerfile-parse) and compose.yaml (PyYAML + compose interpolation) ----
+# ---- reading the Dockerfile (dockerfile-parse) and compose files (PyYAML + compose merge/interpolation) ----
 @dataclass
 class Stage:
-    parent: str  # an image, or an earlier stage (may name ${TARGET})
+    name: str
+    parent: str
     instructions: list[tuple[str, str]]
 
+    def args(self) -> dict[str, str]:
+        return dict(value.partition("=")[::2] for kind, value in self.instructions if kind == "ARG")
 
-def _dockerfile() -> tuple[dict[str, str], dict[str, Stage]]:
+
+def _dockerfile() -> tuple[dict[str, str], list[Stage]]:
     """Global ARG defaults, and the stages in file order."""
     args: dict[str, str] = {}
-    stages: dict[str, Stage] = {}
+    stages: list[Stage] = []
     for ins in DockerfileParser(str(REPO / "Dockerfile"), cache_content=True).structure:
         kind, value = ins["instruction"], ins["value"]
         if kind == "FROM":
             parent, _, name = value.partition(" AS ")
-            stages[name.strip()] = Stage(parent.strip(), [])
+            stages.append(Stage(name.strip(), parent.strip(), []))
         elif kind == "ARG" and not stages:
             name, _, default = value.partition("=")
             args[name] = default
         elif kind != "COMMENT":
-            stages[next(reversed(stages))].instructions.append((kind, value))
+            stages[-1].instructions.append((kind, value))
     return args, stages
 
 
-def _image(target: str) -> list[tuple[str, str]]:
-    """The instructions that make the image `docker build --build-arg TARGET=target` ends with, base first."""
-    _, stages = _dockerfile()
-    chain, name = [], next(reversed(stages))
-    while name in stages:
-        chain.append(stages[name])
-        name = stages[name].parent.replace("${TARGET}", target)
-    return [ins for stage in reversed(chain) for ins in stage.instructions]
+def _image() -> list[tuple[str, str]]:
+    """The instructions of the stage the image is (the last): the same for every TARGET, which RUN steps read."""
+    return _dockerfile()[1][-1].instructions
 
 
 def _last(image: list[tuple[str, str]], kind: str) -> str:
@@ -98,14 +98,27 @@ def _interpolate(node: Any, host_env: dict[str, str]) -> Any:
     return out
 
 
-def _compose(host_env: dict[str, str] | None = None) -> dict[str, Any]:
-    return _interpolate(yaml.safe_load((REPO / "compose.yaml").read_text()), host_env or {})
+def _merge(base: Any, over: Any, path: str = "") -> Any:
+    """Compose's merge of a later file over an earlier one, for mappings (recursive); the files must not both set a
+    list, which compose merges by per-key rules this test does not model."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        return {**base, **{k: _merge(base[k], v, f"{path}.{k}") if k in base else v for k, v in over.items()}}
+    assert not isinstance(base, list) and not isinstance(over, list), f"{path}: both compose files set this list"
+    return over
 
 
-def _container(service: str, host_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str], dict[str, Any]]:
-    """The argv and environment Docker starts the service's container with, and the service itself."""
-    svc = _compose(host_env)["services"][service]
-    image = _image(svc["build"]["args"]["TARGET"])
+def _compose(host_env: dict[str, str] | None = None, files: tuple[str, ...] = VARIANTS["cpu"]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for name in files:
+        merged = _merge(merged, yaml.safe_load((REPO / name).read_text()))
+    return _interpolate(merged, host_env or {})
+
+
+def _container(target: str, host_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str], dict[str, Any]]:
+    """The argv and environment Docker starts the container with, and the service itself."""
+    svc = _compose(host_env, VARIANTS[target])["services"]["sluice"]
+    assert svc["build"]["args"]["TARGET"] == target
+    image = _image()
     argv = json.loads(_last(image, "ENTRYPOINT")) + (svc.get("command") or json.loads(_last(image, "CMD")))
     env = {**_image_env(image), **{k: "" if v is None else str(v) for k, v in svc["environment"].items()}}
     return argv, env, svc
@@ -124,14 +137,15 @@ def _check_compose(path: Path) -> subprocess.CompletedProcess[str]:
                           check=False, capture_output=True, text=True, timeout=120)
 
 
-def test_compose_file_validates_against_the_compose_spec(tmp_path: Path) -> None:
-    r = _check_compose(REPO / "compose.yaml")
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.gpu.yaml"])
+def test_compose_files_validate_against_the_compose_spec(name: str, tmp_path: Path) -> None:
+    r = _check_compose(REPO / name)
     assert r.returncode == 0, r.stdout + r.stderr
     # the validator really validates: one misspelt key fails it
-    broken = (REPO / "compose.yaml").read_text().replace("start_period:", "start_periode:")
-    (tmp_path / "compose.yaml").write_text(broken)
-    r = _check_compose(tmp_path / "compose.yaml")
-    assert r.returncode == 1 and "start_periode" in r.stdout, r.stdout + r.stderr
+    broken = (REPO / name).read_text().replace("image:", "imagee:")
+    (tmp_path / name).write_text(broken)
+    r = _check_compose(tmp_path / name)
+    assert r.returncode == 1 and "imagee" in r.stdout, r.stdout + r.stderr
 
 
 HADOLINT = shutil.which("hadolint", path=str(BIN)) or shutil.which("hadolint")
@@ -141,41 +155,57 @@ HADOLINT = shutil.which("hadolint", path=str(BIN)) or shutil.which("hadolint")
 def test_dockerfile_parses_and_lints_clean(tmp_path: Path) -> None:
     r = subprocess.run([HADOLINT, "--no-color", "Dockerfile"], cwd=REPO, check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    broken = (REPO / "Dockerfile").read_text().replace("FROM base AS torch-cpu", "FROMbase AS torch-cpu")
+    broken = (REPO / "Dockerfile").read_text().replace("ARG TARGET=cpu", "ARGTARGET=cpu")
     (tmp_path / "Dockerfile").write_text(broken)
     r = subprocess.run([HADOLINT, "--no-color", "Dockerfile"], cwd=tmp_path, check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stdout + r.stderr
 
 
 # ---- the image ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("target", sorted(set(SERVICES.values())))
-def test_code_edits_do_not_reinstall_torch(target: str) -> None:
-    image = _image(target)
-    copies = [(i, value.split()[:-1]) for i, (k, value) in enumerate(image) if k in ("COPY", "ADD")]
-    code_at = next(i for i, sources in copies if sources != ["docker/requirements.txt"])
+def test_target_is_read_by_run_steps_not_by_stage_choice() -> None:
+    """The legacy builder builds every stage of a file: were TARGET to pick a stage, a CPU build would download the
+    CUDA stack. So there are two stages, both needed: the project's wheel, and the image."""
+    args, stages = _dockerfile()
+    assert [s.name for s in stages] == ["wheel", ""]
+    assert all(s.parent == "${PYTHON_IMAGE}" for s in stages) and args["PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
+    assert stages[-1].args()["TARGET"] == "cpu"  # a plain `docker build .` makes the image that runs anywhere
+    runs = [value for kind, value in _image() if kind == "RUN" and "TARGET" in value]
+    assert len(runs) == 2 and "cpu) compiler=g++" in runs[0] and "cuda) compiler=gcc" in runs[0]
+    assert 'if [ "$TARGET" = cpu ]' in runs[1] and "exit 1" in runs[0]  # an unknown TARGET fails the build
+
+
+def test_code_edits_do_not_reinstall_torch() -> None:
+    image = _image()
+    code_at = next(i for i, (k, value) in enumerate(image) if k == "COPY" and value.startswith("--from=wheel "))
     torch_at = next(i for i, (k, value) in enumerate(image) if k == "RUN" and "torch==${TORCH_VERSION}" in value)
-    assert torch_at < code_at, "torch must be installed before the project's files are copied"
+    assert torch_at < code_at, "torch must be installed before the project's wheel is copied"
+    assert not [v for k, v in image if k == "COPY" and any(d in v.split() for d in ("engine", "service", "web"))]
     for kind, value in image[code_at:]:
         if kind == "RUN" and "pip install" in value:
             assert "--no-deps" in value, f"a pip install after the code layer may pull packages: {value}"
-    if target == "cpu":
-        assert "--index-url https://download.pytorch.org/whl/cpu" in image[torch_at][1]
+    cpu_branch = image[torch_at][1].split(" else ")[0]
+    assert '--no-deps --index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"' in cpu_branch
+    # the wheel is installed and checked from outside any source tree: the image holds no copy that could shadow it
+    install = image[code_at + 1][1]
+    assert "pip check" in install and "/site-packages/" in install and "web_dir()" in install
+    assert _last(image[:code_at + 1], "WORKDIR") == "/home/sluice"
 
 
 def test_build_context_holds_what_the_dockerfile_copies() -> None:
     """.dockerignore lets through only named paths (so models/ and .venv/ never reach the builder): each COPY source is one."""
-    allowed = {ln[1:].rstrip("/") for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.startswith("!")}
+    lines = [ln for ln in (REPO / ".dockerignore").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert lines[0] == "*" and all(ln.startswith("!") for ln in lines[1:]), "only `*` and exceptions: nothing dead"
+    allowed = {ln[1:].rstrip("/") for ln in lines[1:]}
     _, stages = _dockerfile()
-    sources = {src.rstrip("/") for stage in stages.values() for kind, value in stage.instructions
-               if kind == "COPY" for src in value.split()[:-1]}
+    sources = {src.rstrip("/") for stage in stages for kind, value in stage.instructions
+               if kind == "COPY" and not value.startswith("--from=") for src in value.split()[:-1]}
     assert sources == allowed
     assert all((REPO / src).exists() for src in sources)
 
 
 def test_torch_version_is_the_readme_one_and_dependencies_are_pinned() -> None:
-    args, _ = _dockerfile()
     readme_torch = re.search(r"pip install (?:-q )?torch==([\w.]+)", (REPO / "README.md").read_text())
-    assert readme_torch and args["TORCH_VERSION"] == readme_torch[1]
+    assert readme_torch and _dockerfile()[1][-1].args()["TORCH_VERSION"] == readme_torch[1]
     lines = [ln for ln in (REPO / "docker/requirements.txt").read_text().splitlines() if ln and not ln.startswith("#")]
     pins = {}
     for line in lines:
@@ -192,14 +222,14 @@ def test_torch_version_is_the_readme_one_and_dependencies_are_pinned() -> None:
             assert name in pins and req.specifier.contains(pins[name], prereleases=True), f"{req} not pinned by {pins.get(name)}"
 
 
-# ---- compose.yaml: every setting is one `sluice serve` accepts ------------------------------------
-@pytest.mark.parametrize("service", SERVICES)
-def test_every_setting_is_one_sluice_serve_accepts(service: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    argv, env, _ = _container(service)  # nothing set on the host
+# ---- compose files: every setting is one `sluice serve` accepts ------------------------------------
+@pytest.mark.parametrize("target", VARIANTS)
+def test_every_setting_is_one_sluice_serve_accepts(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    argv, env, _ = _container(target)  # nothing set on the host
     assert Path(argv[0]).name == "sluice"
     config = parse_config(argv[1:], env)  # exits (SystemExit 2) on a flag or SLUICE_* value it refuses
     assert (config.host, config.model, config.api_key) == ("0.0.0.0", None, None)  # empty passthroughs are unset
-    assert config.device == SERVICES[service]  # the GPU service never falls back to the CPU silently
+    assert config.device == target  # the GPU variant never falls back to the CPU silently
     flag_vars = {env_var(a) for a in flag_actions(build_parser())}
     for name in env:
         if name.startswith("SLUICE_"):
@@ -207,49 +237,72 @@ def test_every_setting_is_one_sluice_serve_accepts(service: str, monkeypatch: py
     monkeypatch.setenv("SLUICE_HOME", env["SLUICE_HOME"])
     assert sluice_home() == Path(env["SLUICE_HOME"])  # the engine's one variable
 
-    argv, env, _ = _container(service, {"SLUICE_MODEL": "/models/Qwen3-0.6B", "SLUICE_API_KEY": "k"})
+    argv, env, _ = _container(target, {"SLUICE_MODEL": "/models/Qwen3-0.6B", "SLUICE_API_KEY": "k"})
     config = parse_config(argv[1:], env)
     assert (config.model, config.api_key) == ("/models/Qwen3-0.6B", "k")
 
 
-def test_gpu_by_default_cpu_by_profile() -> None:
-    compose = _compose()
-    gpu, cpu = compose["services"]["sluice"], compose["services"]["sluice-cpu"]
-    assert set(compose["services"]) == set(SERVICES)
-    # `docker compose up` takes COMPOSE_PROFILES from .env; `--profile cpu` replaces it (not adds to it)
-    dotenv = dict(ln.split("=", 1) for ln in (REPO / ".env").read_text().splitlines() if ln and not ln.startswith("#"))
-    assert dotenv == {"COMPOSE_PROFILES": "gpu"}
-    assert (gpu["profiles"], cpu["profiles"]) == (["gpu"], ["cpu"])
-    assert gpu["deploy"]["resources"]["reservations"]["devices"] == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert "deploy" not in cpu
-    args, stages = _dockerfile()
-    assert args["TARGET"] == "cuda"  # a plain `docker build .` makes the GPU image
-    for name, target in SERVICES.items():
-        service = compose["services"][name]
-        assert service["build"]["args"]["TARGET"] == target and f"torch-{target}" in stages
-        assert service["image"] == f"sluice:{target}"
+def test_cpu_by_default_gpu_by_a_second_file() -> None:
+    """Plain `docker compose` runs everywhere: no profiles and no .env to trap a CPU host into the GPU service, and
+    one service name for both, so `logs`, `stop` and `down` need no flags either way."""
+    assert not (REPO / ".env").exists()
+    cpu, gpu = _compose(), _compose(files=VARIANTS["cuda"])
+    assert set(cpu["services"]) == set(gpu["services"]) == {"sluice"}
+    c, g = cpu["services"]["sluice"], gpu["services"]["sluice"]
+    assert "profiles" not in c and "profiles" not in g
+    assert (c["build"]["args"]["TARGET"], c["image"], c["environment"]["SLUICE_DEVICE"]) == ("cpu", "sluice:cpu", "cpu")
+    assert (g["build"]["args"]["TARGET"], g["image"], g["environment"]["SLUICE_DEVICE"]) == ("cuda", "sluice:cuda", "cuda")
+    assert "deploy" not in c
+    assert g["deploy"]["resources"]["reservations"]["devices"] == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert {k: v for k, v in g.items() if k not in ("build", "image", "environment", "deploy")} == \
+           {k: v for k, v in c.items() if k not in ("build", "image", "environment", "deploy")}
+    # a torch mirror without editing the Dockerfile
+    assert c["build"]["args"]["TORCH_INDEX"] == ""
+    assert _compose({"SLUICE_TORCH_INDEX": "https://m/whl"})["services"]["sluice"]["build"]["args"]["TORCH_INDEX"] == "https://m/whl"
 
 
-@pytest.mark.parametrize("service", SERVICES)
-def test_port_health_volumes_restart_and_logs(service: str) -> None:
-    argv, env, svc = _container(service)
-    image = _image(svc["build"]["args"]["TARGET"])
+def test_readme_compose_commands_work_as_written_on_a_cpu_host() -> None:
+    commands = [ln for ln in (REPO / "README.md").read_text().splitlines() if "docker compose" in ln]
+    assert len(commands) >= 5
+    for line in commands:
+        assert "--profile" not in line, line
+        for f in re.findall(r"-f (\S+)", line):
+            assert (REPO / f).is_file(), line
+
+
+@pytest.mark.parametrize("target", VARIANTS)
+def test_port_health_volumes_restart_and_logs(target: str) -> None:
+    argv, env, svc = _container(target)
+    image = _image()
     config = parse_config(argv[1:], env)
     assert _last(image, "EXPOSE") == str(config.port) == "8000"
-    assert [p.rsplit(":", 1)[1] for p in svc["ports"]] == [str(config.port)]
+    assert svc["ports"] == ["127.0.0.1:8000:8000"]  # the model is not on the network unless asked
+    exposed = _compose({"SLUICE_PUBLISHED_ADDRESS": "0.0.0.0", "SLUICE_PUBLISHED_PORT": "80"}, VARIANTS[target])
+    assert exposed["services"]["sluice"]["ports"] == ["0.0.0.0:80:8000"]
     assert svc["healthcheck"]["test"] == ["CMD", *_healthcheck(image)]
+    # NOTE: no start_interval: Docker Engine < 25 (Debian 12's docker.io is 20.10) refuses to create the container
+    assert "start_interval" not in svc["healthcheck"]
     assert _last(image, "USER") not in ("root", "0")
 
-    mounts = {v.split(":")[1]: v.split(":") for v in svc["volumes"]}
-    source, _, mode = mounts["/models"]
-    assert mode == "ro" and source == "./models"
-    volume = mounts[env["SLUICE_HOME"]][0]
-    assert volume in _compose()["volumes"] and env["SLUICE_HOME"] in json.loads(_last(image, "VOLUME"))
+    models, home = svc["volumes"]
+    assert models == {"type": "bind", "source": "./models", "target": "/models", "read_only": True,
+                      "bind": {"create_host_path": False}}  # never an empty root-owned ./models
+    volume, _, target_dir = home.partition(":")
+    assert target_dir == env["SLUICE_HOME"] and volume in _compose()["volumes"]
+    assert env["SLUICE_HOME"] in json.loads(_last(image, "VOLUME"))
 
     assert svc["restart"] in ("always", "unless-stopped", "on-failure")
     assert svc["logging"]["driver"] == "json-file" and {"max-size", "max-file"} <= set(svc["logging"]["options"])
     assert _seconds(svc["stop_grace_period"]) > config.timeout_graceful_shutdown
     assert _last(image, "STOPSIGNAL") == "SIGTERM" and svc["init"] is True
+
+
+def test_models_dir_ships_with_the_repo_and_its_contents_are_ignored() -> None:
+    """./models exists in a clone, owned by whoever cloned it, so README's `cp -r ... models/` needs no sudo."""
+    tracked = subprocess.run(["git", "ls-files", "models"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert tracked.stdout.split() == ["models/README.md"]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "models/Qwen2.5-0.5B/config.json"], cwd=REPO, check=False)
+    assert ignored.returncode == 0
 
 
 # ---- README: one table lists every flag with its variable ---------------------------------------------
@@ -275,7 +328,10 @@ def _outside_docker(env: dict[str, str], svc: dict[str, Any], volume_dir: Path) 
     """Container paths in the environment -> host paths: a bind mount to its source, a named volume to `volume_dir`."""
     mounts = {}
     for volume in svc["volumes"]:
-        source, target = volume.split(":")[:2]
+        if isinstance(volume, dict):
+            source, target = volume["source"], volume["target"]
+        else:
+            source, target = volume.split(":")[:2]
         mounts[target] = str((REPO / source).resolve()) if source.startswith((".", "/")) else str(volume_dir)
 
     def host(value: str) -> str:
@@ -291,7 +347,7 @@ def test_container_command_serves_a_chat_outside_docker(tiny_model_dir: Path, tm
     key = "deploy-test-key"
     host_env = {"SLUICE_MODELS_DIR": str(tiny_model_dir.parent), "SLUICE_MODEL": f"/models/{tiny_model_dir.name}",
                 "SLUICE_API_KEY": key}
-    argv, container_env, svc = _container("sluice-cpu", host_env)
+    argv, container_env, svc = _container("cpu", host_env)
     # The only changes: host paths for /models and the home volume, and a free port instead of 8000.
     port = free_port()
     home = tiny_model_dir.parent.parent  # this session's $SLUICE_HOME, where the embedded model already is
@@ -322,3 +378,6 @@ def test_container_command_serves_a_chat_outside_docker(tiny_model_dir: Path, tm
     finally:
         code = server.stop()
     assert code == 0, server.log_tail()
+    # the healthcheck's probes leave no access lines (every 10 s, forever); other requests do
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in server.log_text()
+    assert '"GET /health HTTP/1.1" 200' not in server.log_text(), server.log_tail()  # a 503 while loading is

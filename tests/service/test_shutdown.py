@@ -68,9 +68,12 @@ async def test_sigterm_lets_the_stream_finish_then_exits_0(tiny_model_dir, tmp_p
         server.stop()
 
 
-def test_engine_that_cannot_start_exits_1(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "service", "--port", str(free_port()), "--model", str(tmp_path)],
+@pytest.mark.parametrize("model, says", [("", "no config.json"), ("nope", "does not exist")])
+def test_engine_that_cannot_load_its_model_exits_1_saying_why(tmp_path, model, says) -> None:
+    model_dir = tmp_path / model
+    proc = subprocess.run([sys.executable, "-m", "service", "--port", str(free_port()), "--model", str(model_dir)],
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1
-    assert "engine failed" in proc.stderr and str(tmp_path) in proc.stderr
+    assert "cannot load the model: " in proc.stderr and says in proc.stderr and str(model_dir) in proc.stderr
+    assert "Traceback" not in proc.stderr  # a configuration mistake, not a crash

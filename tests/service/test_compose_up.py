@@ -1,0 +1,231 @@
+"""`docker compose`, run for real: README's Deploy commands against a Docker engine, when one is reachable.
+
+The stack is compose.yaml as shipped (the CPU image), under a project name of its own and a free host port,
+and is removed with its volume at the end (the image stays, so a second run builds from cache). Checked:
+healthy, published on 127.0.0.1 only, runs as uid 10001; the UI, a WebSocket chat, an OpenAI chat, metrics;
+`stop` drains chats in flight and exits 0; the second `up` reuses the volume (no model build, no kernel
+compile); an unreadable model and a missing models directory fail saying why. The GPU variant is checked by
+`docker compose config` only (a GPU host runs the same commands with COMPOSE_FILE=compose.yaml:compose.gpu.yaml).
+
+Skips, saying why, where no Docker engine with Compose v2 is reachable (CI has none). Builds take their
+packages from the network: a torch mirror is SLUICE_TORCH_INDEX (compose.yaml passes it through), other build
+arguments SLUICE_TEST_BUILD_ARGS ("NAME=value NAME=value", e.g. PIP_TRUSTED_HOST=mirror for a plain-http one).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+
+from tests.server import REPO, free_port
+from tests.service.conftest import check_chat_frames, collect, recv, send, user_chat
+
+pytestmark = pytest.mark.timeout(2400)  # a first build downloads torch and the pinned dependencies
+
+PROJECT = f"sluice-test-{os.getpid()}"
+MODEL_POSITIONS = 4096  # the embedded tiny model's context
+LONG = MODEL_POSITIONS - 128  # chats that must still run when `stop` comes: thousands of steps by construction
+
+
+def _docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _why_not() -> str | None:
+    if shutil.which("docker") is None:
+        return "no `docker` command on this machine"
+    try:
+        info = _docker("info", "--format", "{{.ServerVersion}}", timeout=20)
+        compose = _docker("compose", "version", "--short", timeout=20)
+    except subprocess.TimeoutExpired:
+        return "the Docker engine does not answer"
+    if info.returncode != 0:
+        return f"no Docker engine reachable: {(info.stderr or info.stdout).strip().splitlines()[-1:]}"
+    if compose.returncode != 0:
+        return "no Compose v2 (`docker compose`) plugin"
+    return None
+
+
+WHY_NOT = _why_not()
+needs_docker = pytest.mark.skipif(WHY_NOT is not None, reason=f"compose smoke test: {WHY_NOT}")
+
+
+@dataclass
+class Stack:
+    port: int
+    env: dict[str, str]
+    models: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def compose(self, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["docker", "compose", *args], cwd=REPO, env={**self.env, **env}, capture_output=True,
+                              text=True, timeout=timeout, check=False)
+
+    def ok(self, *args: str, timeout: float = 120, **env: str) -> str:
+        r = self.compose(*args, timeout=timeout, **env)
+        assert r.returncode == 0, f"docker compose {' '.join(args)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    def container(self) -> dict:
+        cid = self.ok("ps", "-a", "-q", "sluice").strip()
+        return json.loads(_docker("inspect", cid).stdout)[0]
+
+    def logs(self) -> str:
+        return self.ok("logs", "--no-log-prefix", "sluice")
+
+
+def _unreadable_model(models: Path) -> None:
+    """A copy of the embedded model as `cp` of safetensors' own output leaves it: model.safetensors 0600."""
+    from engine.tiny import build
+
+    build("tiny", models / "unreadable", progress=False)
+    (models / "unreadable" / "model.safetensors").chmod(0o600)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    models = tmp_path_factory.mktemp("models")
+    models.chmod(0o755)
+    _unreadable_model(models)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}  # not a GPU host's COMPOSE_FILE
+    env.update(COMPOSE_PROJECT_NAME=PROJECT, SLUICE_PUBLISHED_PORT=str(free_port()), SLUICE_MODELS_DIR=str(models))
+    s = Stack(int(env["SLUICE_PUBLISHED_PORT"]), env, models)
+    build_args = [a for kv in shlex.split(os.environ.get("SLUICE_TEST_BUILD_ARGS", "")) for a in ("--build-arg", kv)]
+    try:
+        s.ok("build", *build_args, timeout=1800)
+        started = time.monotonic()
+        s.ok("up", "-d", "--wait", "--wait-timeout", "300", timeout=400)
+        print(f"\nfirst up: healthy in {time.monotonic() - started:.1f} s")
+        yield s
+    finally:
+        print(s.compose("logs", "--no-log-prefix", "--tail", "30").stdout)
+        s.compose("down", "-v", "--remove-orphans", timeout=120)
+
+
+def _chat(ws_url: str, n: int) -> dict[str, list[dict]]:
+    async def run() -> dict[str, list[dict]]:
+        async with connect(ws_url, max_size=None) as ws:
+            assert (await recv(ws))["type"] == "ready"
+            for i in range(n):
+                await send(ws, **user_chat(f"c{i}", "Hello from compose!", max_tokens=16))
+            return await collect(ws, {f"c{i}" for i in range(n)})
+    return asyncio.run(run())
+
+
+@needs_docker
+def test_healthy_on_loopback_only_as_an_unprivileged_user(stack: Stack) -> None:
+    c = stack.container()
+    assert c["State"]["Health"]["Status"] == "healthy"
+    assert c["Config"]["User"] == "10001"
+    assert stack.ok("exec", "-T", "sluice", "id", "-u").strip() == "10001"
+    bindings = c["HostConfig"]["PortBindings"]["8000/tcp"]
+    assert bindings == [{"HostIp": "127.0.0.1", "HostPort": str(stack.port)}]
+    # the image holds the installed package, no source tree beside it
+    where = stack.ok("exec", "-T", "sluice", "python", "-c", "import service, service.app as a; print(service.__file__, a.web_dir())")
+    assert "/site-packages/service/" in where and "/share/sluice/web" in where, where
+
+
+@needs_docker
+def test_ui_websocket_chat_openai_chat_and_metrics(stack: Stack) -> None:
+    ui = httpx.get(f"{stack.url}/", timeout=30)
+    assert ui.status_code == 200 and "text/html" in ui.headers["content-type"] and "<script" in ui.text
+    frames = _chat(f"ws://127.0.0.1:{stack.port}/v1/ws", 2)
+    for chat in frames.values():
+        _, done = check_chat_frames(chat)
+        assert done["finish_reason"] in ("stop", "length") and done["usage"]["completion_tokens"] >= 1
+    model = httpx.get(f"{stack.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=120,
+                   json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    metrics = httpx.get(f"{stack.url}/metrics", timeout=30).text
+    assert 'sluice_requests_total{api="ws"' in metrics and 'sluice_requests_total{api="chat"' in metrics
+    assert '"GET /health HTTP/1.1" 200' not in stack.logs()  # the healthcheck probes every 10 s, silently
+
+
+@needs_docker
+def test_stop_drains_chats_in_flight_exits_0_and_the_next_up_reuses_the_volume(stack: Stack) -> None:
+    n = 4
+
+    async def run() -> tuple[dict[str, list[dict]], subprocess.CompletedProcess[str], float]:
+        async with connect(f"ws://127.0.0.1:{stack.port}/v1/ws", max_size=None) as ws:
+            assert (await recv(ws))["type"] == "ready"
+            ids = {f"long{i}" for i in range(n)}
+            for i in sorted(ids):
+                await send(ws, **user_chat(i, "tell me everything", max_tokens=LONG, ignore_eos=True))
+            frames: dict[str, list[dict]] = {i: [] for i in ids}
+            while any(len(f) < 2 for f in frames.values()):  # every chat has started and streamed a delta
+                msg = await recv(ws)
+                frames[msg["id"]].append(msg)
+            started = time.monotonic()
+            stop = asyncio.create_task(asyncio.to_thread(stack.compose, "stop", timeout=120))
+            rest = await collect(ws, ids, timeout=120)
+            result = await stop
+            for i in ids:
+                frames[i] += rest[i]
+            return frames, result, time.monotonic() - started
+
+    frames, stop, took = asyncio.run(run())
+    assert stop.returncode == 0, stop.stderr
+    for chat in frames.values():
+        _, done = check_chat_frames(chat)  # every chat ends with `done`: finished, or cancelled at the drain limit
+        assert done["finish_reason"] in ("length", "cancelled"), done
+    state = stack.container()["State"]
+    assert (state["Status"], state["ExitCode"]) == ("exited", 0), state  # drained in time: SIGKILL would be 137
+    print(f"\nstop with {n} chats in flight: {took:.1f} s, finish reasons "
+          f"{sorted(c[-1]['finish_reason'] for c in frames.values())}")
+
+    started = time.monotonic()
+    stack.ok("up", "-d", "--wait", "--wait-timeout", "300", timeout=400)
+    print(f"second up: healthy in {time.monotonic() - started:.1f} s")
+    runs = stack.logs().split("Started server process")
+    assert len(runs) == 3, "expected two starts of the same container"
+    first, second = runs[1], runs[2]
+    assert "building .sluice-tiny" in first and "compiling the native CPU kernels" in first
+    assert "building .sluice-tiny" not in second and "compiling" not in second  # the volume kept both
+    assert "engine ready" in second
+
+
+@needs_docker
+def test_an_unreadable_model_fails_saying_why(stack: Stack) -> None:
+    r = stack.compose("run", "--rm", "--no-deps", "sluice", timeout=300, SLUICE_MODEL="/models/unreadable")
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "cannot load the model: model directory /models/unreadable is not readable by this process (uid 10001)" in out
+    assert "model.safetensors (mode 0600" in out and "chmod -R a+rX" in out
+    assert "Traceback" not in out
+
+
+@needs_docker
+def test_a_missing_models_directory_is_an_error_not_created(stack: Stack, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-models"
+    r = stack.compose("run", "--rm", "--no-deps", "sluice", timeout=300, SLUICE_MODELS_DIR=str(missing))
+    assert r.returncode != 0 and "does not exist" in r.stderr, r.stdout + r.stderr
+    assert not missing.exists()
+
+
+@pytest.mark.skipif(shutil.which("docker") is None or _docker("compose", "version").returncode != 0,
+                    reason="no Compose v2 (`docker compose`) here")
+def test_gpu_variant_as_compose_resolves_it() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    r = subprocess.run(["docker", "compose", "-f", "compose.yaml", "-f", "compose.gpu.yaml", "config", "--format", "json"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    svc = json.loads(r.stdout)["services"]["sluice"]
+    assert (svc["build"]["args"]["TARGET"], svc["image"], svc["environment"]["SLUICE_DEVICE"]) == ("cuda", "sluice:cuda", "cuda")
+    assert svc["deploy"]["resources"]["reservations"]["devices"] == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert svc["ports"][0]["host_ip"] == "127.0.0.1" and svc["volumes"][0]["read_only"] is True
