@@ -1,13 +1,14 @@
-"""Kernel ops used by the model forward (docs/architecture.md §8), dispatched per call.
+"""The kernel ops the model forward calls (docs/architecture.md §8); `_backend` alone picks who serves each call.
 
-Triton kernels serve CUDA tensors. CPU tensors get the native kernels of `cpu.py` once `cpu.load()`
-has built them (the engine does, on a CPU device), else the torch twins in `reference.py`.
-`SLUICE_KERNELS=triton|torch|auto` (read once, at import) forces one side: `torch` means the twins
-only; tests use `triton` with `TRITON_INTERPRET=1` to run the Triton kernels on CPU tensors.
+The backends share the ops' signatures: `kernels.triton` (CUDA tensors), `kernels.cpu` (native C++, once
+`cpu.load()` has built it: the engine does, on a CPU device) and `kernels.reference` (the torch twins).
+`SLUICE_KERNELS=auto|triton|torch` (read once, at import) forces one side: `torch` means the twins only;
+tests use `triton` with `TRITON_INTERPRET=1` to run the Triton kernels on CPU tensors.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -17,58 +18,94 @@ MODE = os.environ.get("SLUICE_KERNELS", "auto")
 if MODE not in ("auto", "triton", "torch"):
     raise ValueError(f"SLUICE_KERNELS must be auto, triton or torch, not {MODE!r}")
 
-_triton = None
+
+def _backend(op: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Who runs `op` on tensors of `dtype` on `device`: "triton", "cpu-native" or "torch" (the twin).
+
+    NOTE: reads the module global MODE per call: bench/gpu_check.py flips it to time the twins.
+    """
+    if MODE == "triton" or (MODE == "auto" and device.type == "cuda"):
+        return "triton"
+    if MODE == "auto" and device.type == "cpu" and cpu.supports(op, dtype):
+        return "cpu-native"
+    return "torch"
 
 
-def _triton_ops():
-    global _triton
-    if _triton is None:
-        # imports triton lazily: CPU-only installs never pay for it
-        from kernels import triton_ops
+def _impl(op: str, t: torch.Tensor) -> Callable:
+    """`op` of the backend that serves tensors like `t`."""
+    backend = _backend(op, t.device, t.dtype)
+    if backend == "triton":
+        # imported on first use: CPU-only installs never import triton
+        from kernels import triton
 
-        _triton = triton_ops
-    return _triton
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    if MODE == "torch":
-        return False
-    if MODE == "triton":
-        return True
-    return t.is_cuda
-
-
-def _dispatch(name: str, device_arg: int = 0):
-    """`device_arg`: the positional argument whose device picks the implementation."""
-    ref = getattr(reference, name)
-    native = getattr(cpu, name, None) if MODE == "auto" else None
-
-    def op(*args, **kwargs):
-        t = args[device_arg]
-        if _use_triton(t):
-            impl = getattr(_triton_ops(), name)
-        elif native is not None and cpu.supports(name, t):
-            impl = native
-        else:
-            impl = ref
-        return impl(*args, **kwargs)
-
-    op.__name__ = name
-    op.__doc__ = ref.__doc__
-    return op
+        return getattr(triton, op)
+    return getattr(cpu if backend == "cpu-native" else reference, op)
 
 
 def attention_backend(device: torch.device) -> str:
     """Which implementation `paged_attention` uses for tensors on `device`: triton, cpu-native or torch."""
-    if MODE == "triton" or (MODE == "auto" and device.type == "cuda"):
-        return "triton"
-    return "cpu-native" if MODE == "auto" and cpu.loaded() else "torch"
+    return _backend("paged_attention", device, torch.float32)  # the native one serves fp32, bf16 and fp16 alike
 
 
-paged_attention = _dispatch("paged_attention")
-store_kv = _dispatch("store_kv")
-rms_norm = _dispatch("rms_norm")
-rotary_embedding = _dispatch("rotary_embedding", device_arg=1)  # positions may stay on the host
-silu_and_mul = _dispatch("silu_and_mul")
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D], the new tokens of all sequences back to back
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32, context length including the new tokens
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of each sequence's new tokens over its paged context; one call serves a mixed batch.
+
+    The i-th new token of sequence b (of q_len_b) sits at position `seq_lens[b] - q_len_b + i` and attends
+    to the positions up to its own, read through `block_tables[b]`; decodes have q_len 1. GQA: Hq is a
+    multiple of Hkv.
+    """
+    return _impl("paged_attention", q)(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int
+) -> None:
+    """Writes row t of k and v into the caches at `slot_mapping[t] = block * block_size + offset`; -1 skips it."""
+    _impl("store_kv", k)(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`x / rms(x) * weight`; with a residual, of `x + residual`, returned as `(out, x + residual)`.
+
+    Statistics are fp32; the inputs are not modified.
+    """
+    return _impl("rms_norm", x)(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int, may stay on the host
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, rot_dim]: cos (rot_dim/2) then sin (rot_dim/2)
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates the first rot_dim dims of each head of q and k in place and returns (q, k).
+
+    `is_neox`: the two halves pair up; else even dims pair with the following odd dim (GPT-J).
+    """
+    return _impl("rotary_embedding", q)(positions, q, k, cos_sin_cache, is_neox)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2d] -> [..., d]
+    """The SwiGLU gate: `silu(x[..., :d]) * x[..., d:]`."""
+    return _impl("silu_and_mul", x)(x)
+
 
 __all__ = ["MODE", "attention_backend", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "store_kv"]

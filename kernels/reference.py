@@ -39,7 +39,7 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int32, context length including the new tokens
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
-    T, Hq, D = q.shape
+    Hq = q.shape[1]
     Hkv, bs = k_cache.shape[2], k_cache.shape[1]
     gqa = Hq != Hkv
     out = torch.empty_like(q)

@@ -10,9 +10,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max abs/rel error vs the torch twin. bf16 is loosest: the interpreter rounds fp32 -> bf16 by
 # truncation (1 ulp = 2**-7 relative), and on the GPU the softmax weights feed the PV dot in bf16.
 TOLERANCES = {
-    torch.float32: dict(atol=2e-5, rtol=2e-5),
-    torch.float16: dict(atol=4e-3, rtol=4e-3),
-    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+    torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
 }
 DTYPES = list(TOLERANCES)
 

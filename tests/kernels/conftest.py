@@ -1,9 +1,9 @@
 """Kernel tests run the Triton kernels on CPU tensors through the interpreter when there is no GPU.
 
-`TRITON_INTERPRET` must be set before `kernels.triton_ops` (and so `triton.jit`) is first imported;
+`TRITON_INTERPRET` must be set before `kernels.triton` (and so `triton.jit`) is first imported;
 on a CUDA machine it stays unset and the same tests run the compiled kernels on the GPU.
 `SLUICE_KERNELS` is deliberately not set here: `kernels` reads it once at import, and forcing it would
-send every later test's engine through the (slow) interpreter. Tests call `kernels.triton_ops` directly.
+send every later test's engine through the (slow) interpreter. Tests call `kernels.triton` directly.
 """
 from __future__ import annotations
 
@@ -13,18 +13,19 @@ import platform
 import pytest
 import torch
 
-from kernels import cpu
+from kernels.cpu.binding import Native, bind
+from kernels.cpu.build import FLAGS, build
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")
-def native_builds(tmp_path_factory) -> dict[str, cpu.Native]:
+def native_builds(tmp_path_factory) -> dict[str, Native]:
     """The native CPU kernels as the engine builds them and, on x86, built without AVX-512 (the plain
     C++ loops that other CPUs run)."""
     cache = tmp_path_factory.mktemp("kernels")
-    libs = {"native": cpu.bind(cpu.build(cache))}
+    libs = {"native": bind(build(cache))}
     if platform.machine() in ("x86_64", "AMD64"):
-        libs["no-avx512"] = cpu.bind(cpu.build(cache, (*cpu.FLAGS, "-mno-avx512f")))
+        libs["no-avx512"] = bind(build(cache, (*FLAGS, "-mno-avx512f")))
     return libs

@@ -32,8 +32,8 @@ def model_dir(tmp_path_factory) -> Path:
     """Two layers, GQA 4, head_dim 16: the interpreter's cost is per program, so keep it small."""
     from engine.tiny import write_model
 
-    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-               intermediate_size=96)
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+           "head_dim": 16, "intermediate_size": 96}
     return write_model(tmp_path_factory.mktemp("triton-engine"), cfg, seed=3, progress=False)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, triton_ops
+from kernels import reference
+from kernels.triton import rotary
 from tests.kernels.common import DEVICE, DTYPES, TOLERANCES
 
 
@@ -27,7 +28,7 @@ def test_matches_reference_in_place(dtype, is_neox, rot_dim):
     positions = torch.tensor([0, 7, 3, 63, 8], dtype=torch.int64, device=DEVICE)
     cs = _cos_sin(64, rot_dim, torch.float32)
     q_ref, k_ref = reference.rotary_embedding(positions, q.clone(), k.clone(), cs, is_neox)
-    q_out, k_out = triton_ops.rotary_embedding(positions, q, k, cs, is_neox)
+    q_out, k_out = rotary.rotary_embedding(positions, q, k, cs, is_neox)
     assert q_out is q and k_out is k
     torch.testing.assert_close(q, q_ref, **TOLERANCES[dtype])
     torch.testing.assert_close(k, k_ref, **TOLERANCES[dtype])
@@ -41,6 +42,6 @@ def test_half_cache_and_int32_positions():
     positions = torch.tensor([1, 2, 30], dtype=torch.int32, device=DEVICE)
     cs = _cos_sin(32, 16, torch.float16)
     q_ref, k_ref = reference.rotary_embedding(positions, q.clone(), k.clone(), cs)
-    triton_ops.rotary_embedding(positions, q, k, cs)
+    rotary.rotary_embedding(positions, q, k, cs)
     torch.testing.assert_close(q, q_ref, **TOLERANCES[torch.float32])
     torch.testing.assert_close(k, k_ref, **TOLERANCES[torch.float32])

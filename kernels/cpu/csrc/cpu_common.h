@@ -1,4 +1,4 @@
-// Shared by the native CPU kernels (kernels/cpu.py): element types and their fp32 conversions, a fast exp.
+// Shared by the native CPU kernels (kernels/cpu/): element types and their fp32 conversions, a fast exp.
 #pragma once
 
 #include <cstdint>
@@ -8,7 +8,7 @@
 namespace sluice {
 
 
-enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };  // kernels/cpu.py DTYPES
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };  // kernels/cpu/binding.py DTYPES
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;

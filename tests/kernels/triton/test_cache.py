@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, triton_ops
+from kernels import reference
+from kernels.triton import cache
 from tests.kernels.common import DEVICE, DTYPES
 
 
@@ -20,7 +21,7 @@ def test_matches_reference_and_skips_minus_one(dtype, slot_dtype):
     k_cache = torch.randn(num_blocks, bs, Hkv, D, generator=g).to(dtype).to(DEVICE)
     v_cache = torch.randn(num_blocks, bs, Hkv, D, generator=g).to(dtype).to(DEVICE)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    triton_ops.store_kv(k, v, k_cache, v_cache, slots)
+    cache.store_kv(k, v, k_cache, v_cache, slots)
     reference.store_kv(k, v, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     flat = k_cache.view(-1, Hkv, D)
@@ -31,7 +32,7 @@ def test_converts_to_cache_dtype():
     k = torch.randn(3, 1, 16, device=DEVICE)
     k_cache = torch.zeros(2, 4, 1, 16, dtype=torch.float16, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
-    triton_ops.store_kv(k, -k, k_cache, v_cache, torch.tensor([5, -1, 2], device=DEVICE))
+    cache.store_kv(k, -k, k_cache, v_cache, torch.tensor([5, -1, 2], device=DEVICE))
     assert torch.equal(k_cache.view(-1, 1, 16)[5], k[0].half())
     assert torch.equal(v_cache.view(-1, 1, 16)[2], -k[2].half())
     assert int((k_cache != 0).any(-1).sum()) == 2
@@ -40,6 +41,6 @@ def test_converts_to_cache_dtype():
 def test_all_skipped_and_empty():
     k_cache = torch.zeros(2, 4, 1, 16, device=DEVICE)
     k = torch.ones(2, 1, 16, device=DEVICE)
-    triton_ops.store_kv(k, k, k_cache, k_cache.clone(), torch.tensor([-1, -1], device=DEVICE))
-    triton_ops.store_kv(k[:0], k[:0], k_cache, k_cache.clone(), torch.zeros(0, dtype=torch.long, device=DEVICE))
+    cache.store_kv(k, k, k_cache, k_cache.clone(), torch.tensor([-1, -1], device=DEVICE))
+    cache.store_kv(k[:0], k[:0], k_cache, k_cache.clone(), torch.zeros(0, dtype=torch.long, device=DEVICE))
     assert not k_cache.any()

@@ -2,15 +2,12 @@
 on one row and on enough rows to run threaded; bad positions and slots are refused before anything is written."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import tomllib
 import torch
 
-import kernels
-from engine import EngineConfig, LLMEngine, SamplingParams
-from kernels import cpu, reference
+from kernels import reference
+from kernels.cpu import elementwise
+from kernels.cpu.binding import Native
 from tests.kernels.common import DTYPES
 
 # Same roundings as the twins, so the only differences are fp32 summation order and exp: ~1 ulp of the dtype.
@@ -20,7 +17,7 @@ ROWS = [1, 7, 300]  # 300 x 512 elements takes the threaded path
 
 
 @pytest.fixture(params=["native", "no-avx512"])
-def lib(request, native_builds) -> cpu.Native:
+def lib(request, native_builds) -> Native:
     if request.param not in native_builds:
         pytest.skip("x86-only build variant")
     return native_builds[request.param]
@@ -34,8 +31,8 @@ def _randn(*shape, dtype, seed=0) -> torch.Tensor:
 @pytest.mark.parametrize("rows", ROWS)
 def test_rms_norm_with_and_without_residual(lib, dtype, rows):
     x, r, w = _randn(rows, 512, dtype=dtype), _randn(rows, 512, dtype=dtype, seed=1), _randn(512, dtype=dtype, seed=2)
-    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-6, lib=lib), reference.rms_norm(x, w, 1e-6), **TOL[dtype])
-    out, res = cpu.rms_norm(x, w, 1e-6, r, lib=lib)
+    torch.testing.assert_close(elementwise.rms_norm(x, w, 1e-6, lib=lib), reference.rms_norm(x, w, 1e-6), **TOL[dtype])
+    out, res = elementwise.rms_norm(x, w, 1e-6, r, lib=lib)
     ref_out, ref_res = reference.rms_norm(x, w, 1e-6, r)
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
     torch.testing.assert_close(res, ref_res, atol=0, rtol=0)  # the residual add is one rounding: exact
@@ -52,7 +49,7 @@ def test_rotary_in_place(lib, dtype, rows, neox, rot_dim):
     ang = torch.outer(torch.arange(4096, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, rot_dim, 2) / rot_dim))
     cs = torch.cat((ang.cos(), ang.sin()), -1)
     rq, rk = reference.rotary_embedding(pos, q.clone(), k.clone(), cs, neox)
-    oq, ok = cpu.rotary_embedding(pos, q, k, cs, neox, lib=lib)
+    oq, ok = elementwise.rotary_embedding(pos, q, k, cs, neox, lib=lib)
     assert oq.data_ptr() == q.data_ptr() and ok.data_ptr() == k.data_ptr()
     torch.testing.assert_close(q, rq, **TOL[dtype])
     torch.testing.assert_close(k, rk, **TOL[dtype])
@@ -63,7 +60,7 @@ def test_rotary_refuses_a_position_past_the_cache_and_rotates_nothing(lib):
     cs = torch.ones(10, 16)
     q0, k0 = q.clone(), k.clone()
     with pytest.raises(IndexError, match="rotary cache of 10"):
-        cpu.rotary_embedding(torch.tensor([0, 10, 2]), q, k, cs, lib=lib)
+        elementwise.rotary_embedding(torch.tensor([0, 10, 2]), q, k, cs, lib=lib)
     assert torch.equal(q, q0) and torch.equal(k, k0)  # nothing rotated
 
 
@@ -73,7 +70,7 @@ def test_store_kv_writes_slots_and_skips_minus_one(lib, dtype):
     slots = torch.tensor([3, -1, 17, 0, 31])
     caches = [torch.zeros(4, 8, 2, 16, dtype=dtype) for _ in range(4)]
     reference.store_kv(k, v, caches[0], caches[1], slots)
-    cpu.store_kv(k, v, caches[2], caches[3], slots, lib=lib)
+    elementwise.store_kv(k, v, caches[2], caches[3], slots, lib=lib)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[2].view(-1, 2, 16).abs().sum((1, 2)).nonzero().flatten().tolist() == [0, 3, 17, 31]
 
@@ -82,7 +79,7 @@ def test_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing(lib):
     k = _randn(2, 1, 8, dtype=torch.float32)
     kc, vc = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
     with pytest.raises(IndexError, match="8 slots"):
-        cpu.store_kv(k, k, kc, vc, torch.tensor([1, 8]), lib=lib)
+        elementwise.store_kv(k, k, kc, vc, torch.tensor([1, 8]), lib=lib)
     assert not kc.any() and not vc.any()
 
 
@@ -90,40 +87,10 @@ def test_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing(lib):
 @pytest.mark.parametrize("rows", ROWS)
 def test_silu_and_mul(lib, dtype, rows):
     x = _randn(rows, 2 * 512, dtype=dtype) * 4  # wide range: exp's clamps are reached
-    torch.testing.assert_close(cpu.silu_and_mul(x, lib=lib), reference.silu_and_mul(x), **TOL[dtype])
+    torch.testing.assert_close(elementwise.silu_and_mul(x, lib=lib), reference.silu_and_mul(x), **TOL[dtype])
 
 
 def test_silu_and_mul_refuses_an_odd_width_as_the_twin_does(lib):
     """Rows of 2d + 1 would otherwise be read with a stride of 2d: wrong numbers, no error."""
     with pytest.raises(RuntimeError, match="must match"):
-        cpu.silu_and_mul(torch.randn(3, 9), lib=lib)
-
-
-def test_a_forward_on_native_ops_matches_the_twins(tiny_model_dir, monkeypatch):
-    """The whole model: every op native (as the engine runs on CPU) vs every op a twin, same greedy tokens."""
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=32, max_model_len=256))
-    assert kernels.attention_backend(torch.device("cpu")) == "cpu-native"
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = [[5 + i * 13 % 900 for i in range(n)] for n in (3, 40, 97)]
-    native = eng.generate(prompts, params)
-    monkeypatch.setattr(cpu, "supports", lambda op, t: False)
-    twins = eng.generate(prompts, params)
-    for a, b in zip(native, twins, strict=True):
-        assert a.token_ids == b.token_ids
-
-
-def test_fp16_elementwise_ops_stay_on_the_twins(monkeypatch, native_builds):
-    """The native fp16 loops run scalar (no vector fp16 conversion): the dispatcher keeps them on torch."""
-    monkeypatch.setattr(cpu, "_lib", native_builds["native"])
-    half, bf16 = torch.zeros(2, dtype=torch.float16), torch.zeros(2, dtype=torch.bfloat16)
-    assert cpu.supports("paged_attention", half) and cpu.supports("rms_norm", bf16)
-    assert not any(cpu.supports(op, half) for op in ("rms_norm", "rotary_embedding", "store_kv", "silu_and_mul"))
-
-
-def test_the_package_ships_every_kernel_source():
-    """Non-editable installs (the Docker image) compile from the installed package: csrc must be package data."""
-    root = Path(cpu.__file__).resolve().parents[1]
-    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels"]
-    shipped = {p for g in globs for p in (root / "kernels").glob(g)}
-    assert {*cpu.SOURCES, *cpu.HEADERS} <= shipped
-    assert set((root / "kernels" / "csrc").iterdir()) - {root / "kernels" / "csrc" / "__pycache__"} <= shipped
+        elementwise.silu_and_mul(torch.randn(3, 9), lib=lib)

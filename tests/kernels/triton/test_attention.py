@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import reference, triton_ops
+from kernels import reference
+from kernels.triton import attention
 from tests.kernels.common import DEVICE, DTYPES, TOLERANCES, paged_batch
 
 # (q_len, cached) per sequence; block size 8 makes most of them cross block boundaries.
@@ -20,7 +20,7 @@ MIXED = ([1, 7, 1, 12, 1], [30, 9, 0, 0, 16])
 
 
 def _check(batch, scale: float = 0.3, **kw) -> None:
-    out = triton_ops.paged_attention(*batch.args(), scale, **kw)
+    out = attention.paged_attention(*batch.args(), scale, **kw)
     ref = reference.paged_attention(*batch.args(), scale)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(out, ref, **TOLERANCES[batch.q.dtype])
@@ -63,8 +63,6 @@ def test_split_kv(num_splits, kind):
 
 def test_split_kv_chosen_for_long_decodes():
     """A decode batch too small to fill the GPU gets split-KV from the launcher by itself."""
-    from kernels import attention
-
     b = paged_batch([1, 1], [1100, 300], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=32)
     assert attention._choose_splits(True, 2 * 2, b.block_tables.shape[1] * 32, b.q.device) > 1
     assert attention._choose_splits(False, 2 * 2, b.block_tables.shape[1] * 32, b.q.device) == 1
@@ -81,24 +79,12 @@ def test_empty_sequence_in_batch_and_strided_q():
     _check(b)
 
 
-def test_dispatch_routes_to_triton(monkeypatch):
-    """`kernels.paged_attention` takes the Triton path under SLUICE_KERNELS=triton semantics."""
-    calls = []
-    real = triton_ops.paged_attention
-    monkeypatch.setattr(kernels, "MODE", "triton")
-    monkeypatch.setattr(triton_ops, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    b = paged_batch(*CHUNK, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
-    out = kernels.paged_attention(*b.args(), 0.25)
-    assert calls == [1]
-    torch.testing.assert_close(out, reference.paged_attention(*b.args(), 0.25), **TOLERANCES[torch.float32])
-
-
 def test_rejects_bad_metadata():
     b = paged_batch(*CHUNK, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
     with pytest.raises(AssertionError, match="int32"):
-        triton_ops.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables.long(), b.cu_seqlens_q, b.seq_lens, 1.0)
+        attention.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables.long(), b.cu_seqlens_q, b.seq_lens, 1.0)
     with pytest.raises(AssertionError, match="multiple"):
-        triton_ops.paged_attention(b.q[:, :3], b.k_cache, b.v_cache, *b.args()[3:], 1.0)
+        attention.paged_attention(b.q[:, :3], b.k_cache, b.v_cache, *b.args()[3:], 1.0)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -34,7 +34,7 @@
 
 namespace {
 
-constexpr int kBadBlock = 1, kBadShape = 2, kUnsupported = 3;  // kernels/cpu.py ERRORS
+constexpr int kBadBlock = 1, kBadShape = 2, kUnsupported = 3;  // kernels/cpu/binding.py ERRORS
 
 #if SLUICE_AMX
 

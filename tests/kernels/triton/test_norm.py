@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, triton_ops
+from kernels import reference
+from kernels.triton import norm
 from tests.kernels.common import DEVICE, DTYPES, TOLERANCES
 
 
@@ -22,7 +23,7 @@ def _inputs(shape, dtype, w_dtype=None):
 def test_plain(dtype, shape):
     x, _, w = _inputs(shape, dtype)
     x0 = x.clone()
-    out = triton_ops.rms_norm(x, w, 1e-6)
+    out = norm.rms_norm(x, w, 1e-6)
     ref = reference.rms_norm(x, w, 1e-6)
     assert out.dtype == ref.dtype and out.shape == ref.shape
     torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
@@ -33,7 +34,7 @@ def test_plain(dtype, shape):
 def test_fused_residual(dtype):
     x, r, w = _inputs((6, 80), dtype)
     x0, r0 = x.clone(), r.clone()
-    out, new_res = triton_ops.rms_norm(x, w, 1e-5, r)
+    out, new_res = norm.rms_norm(x, w, 1e-5, r)
     ref, ref_res = reference.rms_norm(x, w, 1e-5, r)
     torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
     torch.testing.assert_close(new_res, ref_res, **TOLERANCES[dtype])
@@ -44,7 +45,7 @@ def test_fused_residual(dtype):
 
 def test_fp32_weight_on_half_input_promotes():
     x, r, w = _inputs((4, 32), torch.float16, w_dtype=torch.float32)
-    out, _ = triton_ops.rms_norm(x, w, 1e-6, r)
+    out, _ = norm.rms_norm(x, w, 1e-6, r)
     ref, _ = reference.rms_norm(x, w, 1e-6, r)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)  # normalised row rounds to fp16 in both

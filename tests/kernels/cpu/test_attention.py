@@ -1,4 +1,4 @@
-"""The native CPU paged attention (`kernels/cpu.py`, `csrc/paged_attention_cpu.cpp`) equals the torch twin.
+"""The native CPU paged attention (`kernels/cpu/attention.py`, `csrc/paged_attention_cpu.cpp`) equals the torch twin.
 
 Both native_builds are checked: the default one (`-march=native`: the AVX-512 path on CPUs that have it, for head
 dims 64 and 128) and one compiled without AVX-512, which takes the plain C++ loops everywhere.
@@ -6,13 +6,13 @@ dims 64 and 128) and one compiled without AVX-512, which takes the plain C++ loo
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import pytest
 import torch
 
-import kernels
-from kernels import cpu, reference
+from kernels import reference
+from kernels.cpu import attention
+from kernels.cpu.binding import Native
 from tests.kernels.common import DTYPES, TOLERANCES, PagedBatch, paged_batch
 
 MIXED = ([1, 7, 1, 12, 1, 40, 0], [30, 9, 0, 0, 16, 25, 5])  # decodes, chunks, a whole prompt, an idle row
@@ -23,7 +23,7 @@ def _cpu(batch: PagedBatch) -> PagedBatch:
 
 
 def _check(lib, batch: PagedBatch, scale: float = 0.3, **kw) -> None:
-    out = cpu.paged_attention(*batch.args(), scale, lib=lib, **kw)
+    out = attention.paged_attention(*batch.args(), scale, lib=lib, **kw)
     ref = reference.paged_attention(*batch.args(), scale)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(out, ref, **TOLERANCES[batch.q.dtype])
@@ -65,7 +65,7 @@ def test_block_tables_may_be_a_strided_view(native_builds):
     wide[: b.block_tables.shape[0], : b.block_tables.shape[1]] = b.block_tables
     view = wide[: b.block_tables.shape[0], : b.block_tables.shape[1]]
     assert not view.is_contiguous()
-    out = cpu.paged_attention(b.q, b.k_cache, b.v_cache, view, b.cu_seqlens_q, b.seq_lens, 0.3, lib=native_builds["native"])
+    out = attention.paged_attention(b.q, b.k_cache, b.v_cache, view, b.cu_seqlens_q, b.seq_lens, 0.3, lib=native_builds["native"])
     torch.testing.assert_close(out, reference.paged_attention(*b.args(), 0.3), **TOLERANCES[torch.float32])
 
 
@@ -75,59 +75,40 @@ def test_bad_input_is_refused_not_read(native_builds):
     bad = b.block_tables.clone()
     bad[0, 1] = b.k_cache.shape[0]  # one past the pool
     with pytest.raises(ValueError, match="outside the KV cache"):
-        cpu.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
+        attention.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
     bad[0, 1] = -1
     with pytest.raises(ValueError, match="outside the KV cache"):
-        cpu.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
+        attention.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
     long = b.seq_lens.clone()
     long[1] = 8 * b.block_tables.shape[1] + 1  # more context than the table can hold
     with pytest.raises(ValueError, match="does not fit"):
-        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, long, 0.3, lib=lib)
+        attention.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, long, 0.3, lib=lib)
     b20 = _cpu(paged_batch([20], [4], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8))
     short = b20.seq_lens - 5  # a 20-token chunk in a 19-token context, on the SDPA path (over MAX_Q_LEN)
     with pytest.raises(ValueError, match="does not fit"):
-        cpu.paged_attention(b20.q, b20.k_cache, b20.v_cache, b20.block_tables, b20.cu_seqlens_q, short, 0.3, lib=lib)
+        attention.paged_attention(b20.q, b20.k_cache, b20.v_cache, b20.block_tables, b20.cu_seqlens_q, short, 0.3, lib=lib)
     with pytest.raises(TypeError, match="int32"):
-        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables.long(), b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
+        attention.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables.long(), b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
     with pytest.raises(TypeError, match="share"):
-        cpu.paged_attention(b.q.bfloat16(), b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
+        attention.paged_attention(b.q.bfloat16(), b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
     with pytest.raises(ValueError, match="rise"):
-        cpu.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q.flip(0), b.seq_lens, 0.3, lib=lib)
-
-
-def test_without_a_compiler_the_twin_serves(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(cpu, "_lib", None)
-    with caplog.at_level(logging.WARNING, logger="sluice.kernels"):
-        assert cpu.load(tmp_path, cxx=str(tmp_path / "no-such-compiler")) is False
-    assert "torch path" in caplog.text
-    assert kernels.attention_backend(torch.device("cpu")) == "torch"
-    b = _cpu(paged_batch([1, 3], [4, 2], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=8))
-    torch.testing.assert_close(kernels.paged_attention(*b.args(), 0.5), reference.paged_attention(*b.args(), 0.5))
-
-
-def test_a_failed_build_reports_the_compiler_error(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(cpu, "_lib", None)
-    monkeypatch.setattr(cpu, "FLAGS", (*cpu.FLAGS, "-DSLUICE_BROKEN", "-include", "no/such/header.h"))
-    with caplog.at_level(logging.WARNING, logger="sluice.kernels"):
-        assert cpu.load(tmp_path) is False
-    assert "no/such/header.h" in caplog.text
-    assert not list(tmp_path.glob("*.so"))  # nothing half-built is left to be loaded later
+        attention.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q.flip(0), b.seq_lens, 0.3, lib=lib)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gather_kv_is_the_twins_gather_head_major(native_builds, dtype):
     b = _cpu(paged_batch([1], [45], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=dtype))
     table, L = b.block_tables[0], int(b.seq_lens[0])
-    k, v = cpu.gather_kv(b.k_cache, b.v_cache, table, L, lib=native_builds["native"])
+    k, v = attention.gather_kv(b.k_cache, b.v_cache, table, L, lib=native_builds["native"])
     nb = -(-L // 8)
     assert torch.equal(k, reference._gather(b.k_cache, table, nb)[:, :L].transpose(1, 2))
     assert torch.equal(v, reference._gather(b.v_cache, table, nb)[:, :L].transpose(1, 2))
     bad = table.clone()
     bad[2] = b.k_cache.shape[0]
     with pytest.raises(ValueError, match="outside the KV cache"):
-        cpu.gather_kv(b.k_cache, b.v_cache, bad, L, lib=native_builds["native"])
+        attention.gather_kv(b.k_cache, b.v_cache, bad, L, lib=native_builds["native"])
     with pytest.raises(ValueError, match="needs more blocks"):
-        cpu.gather_kv(b.k_cache, b.v_cache, table, 8 * table.shape[0] + 1, lib=native_builds["native"])
+        attention.gather_kv(b.k_cache, b.v_cache, table, 8 * table.shape[0] + 1, lib=native_builds["native"])
 
 
 # -- prefill chunks on AMX (csrc/prefill_attention_amx.cpp) -----------------------------------------------
@@ -135,7 +116,7 @@ def test_gather_kv_is_the_twins_gather_head_major(native_builds, dtype):
 CHUNKS = [(17, 0), (40, 9), (64, 1), (100, 300), (240, 1800), (300, 0)]  # (new tokens, cached before them)
 
 
-def _amx(native_builds) -> cpu.Native:
+def _amx(native_builds) -> Native:
     lib = native_builds["native"]
     if not lib.amx:
         pytest.skip("this CPU (or kernel) has no AMX: prefill chunks take the SDPA path, tested above")
@@ -146,7 +127,7 @@ def _no_sdpa(monkeypatch) -> None:
     """The AMX kernel reads the paged cache itself: the SDPA path's gather must not run."""
     def refuse(*args, **kwargs):
         raise AssertionError("the SDPA path ran")
-    monkeypatch.setattr(cpu, "gather_kv", refuse)
+    monkeypatch.setattr(attention, "gather_kv", refuse)
 
 
 @pytest.mark.parametrize("n,cached", CHUNKS, ids=[f"{n}on{c}" for n, c in CHUNKS])
@@ -167,8 +148,8 @@ def test_amx_agrees_with_the_sdpa_path_it_replaces(native_builds):
     lib = _amx(native_builds)
     b = _cpu(paged_batch([240, 1], [1000, 30], num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                          dtype=torch.bfloat16))
-    amx = cpu.paged_attention(*b.args(), 0.125, lib=lib)
-    sdpa = cpu.paged_attention(*b.args(), 0.125, lib=dataclasses.replace(lib, amx=False))
+    amx = attention.paged_attention(*b.args(), 0.125, lib=lib)
+    sdpa = attention.paged_attention(*b.args(), 0.125, lib=dataclasses.replace(lib, amx=False))
     torch.testing.assert_close(amx, sdpa, atol=1e-2, rtol=1e-2)
 
 
@@ -180,7 +161,7 @@ def test_amx_refuses_a_bad_block_before_reading(native_builds, monkeypatch):
         bad = b.block_tables.clone()
         bad[0, 2] = block
         with pytest.raises(ValueError, match="outside the KV cache"):
-            cpu.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
+            attention.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
 
 
 def test_builds_without_amx_keep_the_sdpa_path(native_builds):

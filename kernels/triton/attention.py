@@ -206,7 +206,7 @@ def paged_attention(
     block_n: int | None = None,  # KV tile; tests shrink it to cross tiles with tiny shapes
 ) -> torch.Tensor:  # [T, Hq, D]
     T, Hq, D = q.shape
-    num_blocks, block_size, Hkv, Dk = k_cache.shape
+    _, block_size, Hkv, Dk = k_cache.shape
     B = seq_lens.shape[0]
     assert k_cache.shape == v_cache.shape and Dk == D, (q.shape, k_cache.shape, v_cache.shape)
     assert Hq % Hkv == 0, f"GQA needs Hq ({Hq}) to be a multiple of Hkv ({Hkv})"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, triton_ops
+from kernels import reference
+from kernels.triton import activation
 from tests.kernels.common import DEVICE, DTYPES, TOLERANCES
 
 
@@ -13,7 +14,7 @@ from tests.kernels.common import DEVICE, DTYPES, TOLERANCES
 @pytest.mark.parametrize("shape", [(4, 2 * 40), (2, 3, 2 * 64), (2, 2 * 1100)])  # 1100: two chunks a row
 def test_matches_reference(dtype, shape):
     x = (2 * torch.randn(shape, generator=torch.Generator().manual_seed(4))).to(dtype).to(DEVICE)
-    out = triton_ops.silu_and_mul(x)
+    out = activation.silu_and_mul(x)
     ref = reference.silu_and_mul(x)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(out, ref, **TOLERANCES[dtype])

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = Path(__file__).with_name("cuda_compile.py")
 KERNELS = {"_paged_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel", "_rotary_kernel",
            "_rms_norm_kernel", "_silu_and_mul_kernel"}
 
@@ -19,8 +20,8 @@ def test_compiles_for_h100_class_gpus_without_spills():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/kernels/cuda_compile.py")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
     if proc.returncode != 0 and "cuobjdump" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this triton wheel ships no cuobjdump")
     assert proc.returncode == 0, proc.stderr[-3000:]
