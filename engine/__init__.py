@@ -1,6 +1,8 @@
 """Sluice engine: paged KV cache, chunked-prefill continuous batching, prefix caching (docs/architecture.md §3)."""
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, StepError
-from engine.request import CompletionOutput, PromptTooLongError, RequestOutput, SamplingParams, TokenLogprob
+from engine.request import (CompletionOutput, InvalidSamplingParam, PromptTooLongError, RequestOutput, SamplingParams,
+                            TokenLogprob)
 
-__all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StepError", "PromptTooLongError", "RequestOutput", "CompletionOutput", "TokenLogprob"]
+__all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StepError", "PromptTooLongError", "InvalidSamplingParam",
+           "RequestOutput", "CompletionOutput", "TokenLogprob"]

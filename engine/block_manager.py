@@ -1,4 +1,4 @@
-"""Paged KV block pool with a prefix cache.
+"""Paged KV block pool with a prefix cache; the one writer of each request's KV bookkeeping.
 
 Invariants (checked by `check_integrity`): a block's `ref_count` equals the number of live block
 tables (plus pins) holding it; exactly the blocks with `ref_count == 0` sit in the free queue, in
@@ -6,7 +6,7 @@ LRU order; a hashed block is findable under its hash until it is handed out agai
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from engine.request import Request
 
@@ -66,13 +66,17 @@ class FreeBlockQueue:
 class BlockManager:
     """Hands out KV blocks to requests and shares full, identical prefix blocks between them.
 
-    Contracts:
+    Contracts (only these write a request's `block_table`, `block_hashes` and computed / cached /
+    committed counts):
     - `match_prefix(req)`: cached blocks for the longest run of `req`'s full blocks, never covering
       its last token (a fully cached prompt still recomputes that token to get logits).
-    - `allocate(req, num_new_tokens, cached)`: all or nothing; takes the `cached` blocks, then enough
-      fresh blocks to hold `num_computed_tokens + num_new_tokens` tokens.
-    - `commit(req)`: publishes `req`'s full, computed blocks in the cache.
-    - `free(req)`: drops `req`'s references; its blocks stay findable until evicted (LRU).
+    - `allocate(req, num_new_tokens, cached)`: all or nothing. On admission (`req` holds no blocks)
+      it takes the `cached` blocks, which then count as computed and committed; then enough fresh
+      blocks to hold `num_computed_tokens + num_new_tokens` tokens. A request's first allocation
+      records its prefix hit (`num_cached_tokens`, the cache stats).
+    - `commit(req, num_new_tokens)`: those tokens now have KV; publishes `req`'s newly full blocks.
+    - `free(req)`: drops `req`'s references and resets its counts to 0; its blocks stay findable
+      until evicted (LRU).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -82,6 +86,8 @@ class BlockManager:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, Block] = {}  # hash -> block
         self.pinned: list[Block] = []
+        self.prefix_cache_queries = 0  # prompt tokens looked up, once per request (its first allocation)
+        self.prefix_cache_hits = 0  # of those, served from the cache
 
     @property
     def num_blocks(self) -> int:
@@ -98,10 +104,14 @@ class BlockManager:
 
     def hash_blocks(self, req: Request) -> list[int]:
         """Extends `req.block_hashes` to cover every full block of `req.token_ids`."""
-        bs, hashes, toks = self.block_size, req.block_hashes, req.token_ids
-        for i in range(len(hashes), len(toks) // bs):
+        return self._chain_hashes(req.token_ids, req.block_hashes)
+
+    def _chain_hashes(self, token_ids: list[int], hashes: list[int]) -> list[int]:
+        """Extends `hashes` (in place) to cover every full block of `token_ids`; returns it."""
+        bs = self.block_size
+        for i in range(len(hashes), len(token_ids) // bs):
             parent = hashes[-1] if hashes else 0
-            hashes.append(hash((parent, tuple(toks[i * bs : (i + 1) * bs]))))
+            hashes.append(hash((parent, tuple(token_ids[i * bs : (i + 1) * bs]))))
         return hashes
 
     def _lookup(self, token_ids: list[int], hashes: list[int], num_blocks: int) -> list[Block]:
@@ -122,13 +132,15 @@ class BlockManager:
 
     # -- allocation ------------------------------------------------------------------------
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[Block] = ()) -> bool:
-        have = len(req.block_table) + len(cached)
-        fresh = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - have
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[Block] = ()) -> bool:
+        num_computed = req.num_computed_tokens + len(cached) * self.block_size
+        fresh = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_table) - len(cached)
         revived = sum(1 for b in cached if b.ref_count == 0)
         return max(fresh, 0) + revived <= self.num_free_blocks
 
-    def allocate(self, req: Request, num_new_tokens: int, cached: list[Block] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[Block] = ()) -> bool:
+        if cached:
+            assert not req.block_table and req.num_computed_tokens == 0, f"{req}: prefix hits are for admission only"
         if not self.can_allocate(req, num_new_tokens, cached):
             return False
         for b in cached:
@@ -136,11 +148,18 @@ class BlockManager:
                 self.free_queue.remove(b)
             b.ref_count += 1
             req.block_table.append(b.id)
+        req.num_computed_tokens += len(cached) * self.block_size
+        req.num_committed_blocks += len(cached)  # they came from the cache: published already
         for _ in range(self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)):
             b = self.free_queue.popleft()
             self._evict(b)
             b.ref_count = 1
             req.block_table.append(b.id)
+        if not req.admitted:  # NOTE: a preempted request is looked up again, but counted once
+            req.admitted = True
+            req.num_cached_tokens = req.num_computed_tokens
+            self.prefix_cache_queries += req.num_prompt_tokens
+            self.prefix_cache_hits += req.num_cached_tokens
         return True
 
     def _evict(self, b: Block) -> None:
@@ -149,23 +168,25 @@ class BlockManager:
                 del self.cached[b.hash]
             b.hash = b.key = None
 
-    def commit(self, req: Request, num_committed_blocks: int) -> int:
-        """Publishes full computed blocks past the first `num_committed_blocks`; returns the new count."""
+    def commit(self, req: Request, num_new_tokens: int) -> None:
+        """Marks `num_new_tokens` more of `req`'s tokens computed; publishes its newly full blocks."""
+        req.num_computed_tokens += num_new_tokens
+        assert req.num_computed_tokens <= len(req.block_table) * self.block_size, f"{req} computed past its blocks"
         n_full = req.num_computed_tokens // self.block_size
-        if not self.enable_prefix_caching or n_full <= num_committed_blocks:
-            return max(num_committed_blocks, n_full)
-        hashes = self.hash_blocks(req)
-        bs, toks = self.block_size, req.token_ids
-        for i in range(num_committed_blocks, n_full):
-            b = self.blocks[req.block_table[i]]
-            if b.hash is not None or hashes[i] in self.cached:
-                continue  # already cached, or an identical block computed concurrently is
-            b.hash = hashes[i]
-            b.key = (hashes[i - 1] if i else 0, tuple(toks[i * bs : (i + 1) * bs]))
-            self.cached[b.hash] = b
-        return n_full
+        if self.enable_prefix_caching and n_full > req.num_committed_blocks:
+            hashes = self.hash_blocks(req)
+            bs, toks = self.block_size, req.token_ids
+            for i in range(req.num_committed_blocks, n_full):
+                b = self.blocks[req.block_table[i]]
+                if b.hash is not None or hashes[i] in self.cached:
+                    continue  # already cached, or an identical block computed concurrently is
+                b.hash = hashes[i]
+                b.key = (hashes[i - 1] if i else 0, tuple(toks[i * bs : (i + 1) * bs]))
+                self.cached[b.hash] = b
+        req.num_committed_blocks = max(req.num_committed_blocks, n_full)
 
     def free(self, req: Request) -> None:
+        """Drops `req`'s blocks; it has nothing computed any more (preempted: recomputed when readmitted)."""
         # NOTE: reversed, so a request's tail blocks (least likely shared) are evicted first.
         for bid in reversed(req.block_table):
             b = self.blocks[bid]
@@ -174,13 +195,13 @@ class BlockManager:
             if b.ref_count == 0:
                 self.free_queue.append(b)
         req.block_table = []
+        req.num_computed_tokens = req.num_committed_blocks = 0
 
     # -- pinning ---------------------------------------------------------------------------
 
     def pin(self, token_ids: list[int]) -> int:
         """Pins the cached full blocks of `token_ids` forever; returns the number of tokens pinned."""
-        probe = Request("__pin__", token_ids, None, 0)  # type: ignore[arg-type]
-        hashes = self.hash_blocks(probe)
+        hashes = self._chain_hashes(token_ids, [])
         hits = self._lookup(token_ids, hashes, len(hashes))
         for b in hits:
             if b.ref_count == 0:
@@ -196,6 +217,7 @@ class BlockManager:
         for req in live:
             assert len(req.block_table) == len(set(req.block_table)), f"{req} holds a block twice"
             assert len(req.block_table) * self.block_size >= req.num_computed_tokens, f"{req} lacks blocks"
+            assert req.num_committed_blocks <= req.num_computed_tokens // self.block_size, f"{req} committed too much"
             for bid in req.block_table:
                 refs[bid] += 1
         for b in self.pinned:

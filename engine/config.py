@@ -1,6 +1,6 @@
 """`EngineConfig`: the one frozen config of the engine boundary, validated on construction.
 
-The environment is read here and nowhere else in `engine/` (`SLUICE_HOME`, `SLUICE_FAULT_INJECT`).
+The environment is read here and nowhere else in `engine/` (`SLUICE_HOME`).
 """
 from __future__ import annotations
 
@@ -15,11 +15,6 @@ DEVICES = ("auto", "cpu", "cuda")
 
 def sluice_home() -> Path:
     return Path(os.environ.get("SLUICE_HOME", Path.home() / ".cache" / "sluice"))
-
-
-def fault_marker() -> str | None:
-    """Test-only fault injection: a prompt containing this text makes its step raise."""
-    return os.environ.get("SLUICE_FAULT_INJECT") or None
 
 
 @dataclass(frozen=True)

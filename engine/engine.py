@@ -9,28 +9,20 @@ import itertools
 import logging
 from pathlib import Path
 
-import torch
-
 import kernels
 from engine import loader
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, fault_marker, sluice_home
+from engine.config import EngineConfig, sluice_home
 from engine.detokenizer import IncrementalDetokenizer
+from engine.layout import placement, plan_layout
 from engine.model_runner import ModelRunner
 from engine.models import LlamaModel
 from engine.processor import InputProcessor
-from engine.request import (
-    CompletionOutput,
-    Request,
-    RequestOutput,
-    SamplingParams,
-    Status,
-)
+from engine.request import CompletionOutput, PromptTooLongError, Request, RequestOutput, SamplingParams, Status
 from engine.scheduler import Batch, Scheduler
+from engine.tiny import default_model_dir
 
 log = logging.getLogger("sluice.engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class StepError(RuntimeError):
@@ -44,74 +36,34 @@ class StepError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        if config.model is None:
-            from engine.tiny import default_model_dir
-
-            model_dir = default_model_dir()
-        else:
-            model_dir = Path(config.model)
-        self.model_dir = model_dir
+        self.config = config
+        self.model_dir = model_dir = default_model_dir() if config.model is None else Path(config.model)
         self.model_name = model_dir.name
-        self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
-                                   "cpu" if config.device == "auto" else config.device)
-        if config.dtype == "auto":
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            self.dtype = _DTYPES[config.dtype]
-
+        self.device, self.dtype = placement(config)
         self.model_config = mc = loader.load_model_config(model_dir)
         self.model = LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype)
-
-        block_size = config.block_size
-        bytes_per_block = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
-        model_len = config.max_model_len or mc.max_position_embeddings
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * config.kv_memory_fraction)
-            else:
-                budget = config.kv_cpu_bytes
-            needed = config.max_num_seqs * -(-model_len // block_size)
-            num_blocks = max(1, min(budget // bytes_per_block, needed))
-        capacity = num_blocks * block_size
-        if config.max_model_len is None:
-            max_model_len = min(mc.max_position_embeddings, capacity)
-        else:
-            max_model_len = config.max_model_len
-            if max_model_len > mc.max_position_embeddings:
-                raise ValueError(
-                    f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}"
-                )
-            if max_model_len > capacity:
-                raise ValueError(
-                    f"max_model_len={max_model_len} needs more KV than {num_blocks} blocks x {block_size} tokens = {capacity}; "
-                    "raise num_kv_blocks or lower max_model_len"
-                )
-        self.max_model_len = max_model_len
-        self.processor = InputProcessor(model_dir, mc.vocab_size, max_model_len)
+        self.layout = layout = plan_layout(config, mc, self.device, self.dtype)  # after the weights (CUDA sizing)
+        self.max_model_len = layout.max_model_len
+        self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len)
         self.tokenizer = self.processor.tokenizer
         self.eos_token_ids = loader.eos_token_ids(model_dir, self.tokenizer)
-        self.config = config
-        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, max_model_len)
-        self.runner = ModelRunner(
-            self.model, num_blocks, block_size, self.scheduler.whole_prompt_budget, config.max_num_seqs,
-            max_model_len, self.device, self.dtype, config.seed,
-        )
+        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, layout.max_model_len)
+        self.runner = ModelRunner(self.model, layout=layout, max_num_tokens=self.scheduler.whole_prompt_budget,
+                                  max_num_seqs=config.max_num_seqs, seed=config.seed)
         if self.device.type == "cpu" and kernels.MODE == "auto":
             kernels.cpu.load(sluice_home() / "build")  # the native CPU kernels; the torch twins if that fails
         self.attention_backend = kernels.attention_backend(self.device)
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
-        self._fault_marker = fault_marker()
         self._ids = itertools.count()
         self.num_steps = 0
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d attention=%s",
-            self.model_name, self.device, self.dtype, num_blocks, block_size, max_model_len, self.attention_backend,
+            self.model_name, self.device, self.dtype, layout.num_blocks, layout.block_size, layout.max_model_len,
+            self.attention_backend,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -119,20 +71,27 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return self.processor.chat_ids(messages)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *, fit_max_tokens: bool = True
+    ) -> None:
         """Raises `PromptTooLongError` if the prompt leaves no room for a token, `ValueError` if it is bad.
 
-        A str is tokenized here, on the engine thread; a server tokenizes on its own thread and passes ids."""
+        `params.max_tokens` None asks for all the context the prompt leaves. One larger than that is capped
+        with `fit_max_tokens`, else refused (`PromptTooLongError`). A str is tokenized here, on the engine
+        thread; a server tokenizes on its own thread and passes ids."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.processor.prompt_ids(prompt, chat=False)
-        req = Request(request_id, ids, params, min(params.max_tokens, self.max_model_len - len(ids)))
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room and not fit_max_tokens:
+            raise PromptTooLongError(f"the context is {self.max_model_len} tokens; the prompt has {len(ids)} and "
+                                     f"max_tokens asks for {params.max_tokens} more (at most {room} fit)")
+        req = Request(request_id, ids, params, min(max_tokens, room))
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         if params.seed is not None:
             req.generator = self.runner.sampler.make_generator(params.seed)
-        if self._fault_marker is not None:
-            req.fault = self._fault_marker in self.tokenizer.decode(ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -273,8 +232,8 @@ class LLMEngine:
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
             "kv_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
-            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
-            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "prompt_tokens_computed": self.prompt_tokens_computed,

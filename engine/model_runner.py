@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.layout import Layout
 from engine.models import LlamaModel
 from engine.models.llama import AttentionMetadata
 from engine.request import TokenLogprob
@@ -16,30 +17,20 @@ from engine.scheduler import Batch
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaModel,
-        num_blocks: int,
-        block_size: int,
-        max_num_tokens: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        seed: int,
-    ):
-        cfg = model.cfg
+    def __init__(self, model: LlamaModel, *, layout: Layout, max_num_tokens: int, max_num_seqs: int, seed: int):
+        """`max_num_tokens`, `max_num_seqs`: the most tokens and sequences one step may hold."""
+        cfg, device, dtype = model.cfg, layout.device, layout.dtype
         self.model = model
-        self.block_size = block_size
+        self.block_size = layout.block_size
         self.device = device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (layout.num_blocks, layout.block_size, cfg.num_kv_heads, cfg.head_dim)
         # NOTE: zeros, not empty: padded block-table entries point at block 0, and stale values
         # must be finite so a masked-out score (weight 0) never turns into 0 * NaN.
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_blocks_per_seq = -(-layout.max_model_len // layout.block_size)
         pin = device.type == "cuda"
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
@@ -96,8 +87,6 @@ class ModelRunner:
 
     def run(self, batch: Batch, samples: list[bool]) -> tuple[list[int], list[TokenLogprob | None]]:
         """Computes the batch's new tokens; returns a sampled token for each request with `samples[i]`."""
-        if any(r.fault for r in batch.reqs):
-            raise RuntimeError("injected fault (SLUICE_FAULT_INJECT)")
         rows = [i for i, s in enumerate(samples) if s]
         # with nothing to sample, one row still goes through the LM head: the forward fills the KV cache
         input_ids, meta = self._prepare(batch, rows or [0])

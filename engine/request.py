@@ -1,7 +1,8 @@
 """Sampling parameters, per-request state and the outputs the engine hands back.
 
 A request's tokens are `prompt + outputs`; `num_computed_tokens` of them have KV in the cache.
-The scheduler only ever moves `num_computed_tokens` forward, or back to 0 on preemption.
+The block manager owns a request's KV bookkeeping (block table, hashes, computed / cached / committed
+counts): `allocate` sets it, `commit` moves it forward, `free` resets it; nothing else writes it.
 """
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ from typing import NamedTuple
 
 
 class PromptTooLongError(ValueError):
-    """The prompt does not fit in max_model_len with room for at least one new token."""
+    """The prompt does not fit in max_model_len with room for at least one new token (or for max_tokens)."""
+
+
+class InvalidSamplingParam(ValueError):
+    """A `SamplingParams` field out of range; `param` names the field (e.g. "temperature")."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: all the context the prompt leaves
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) = off
@@ -32,23 +41,23 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
 
     def __post_init__(self) -> None:
-        def need(ok: bool, msg: str) -> None:
+        def need(ok: bool, param: str, rule: str) -> None:
             if not ok:
-                raise ValueError(f"SamplingParams: {msg}")
+                raise InvalidSamplingParam(param, f"SamplingParams: {param} {rule}")
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-        need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        need(-1 <= self.top_k <= 2**31 - 1, f"top_k must be -1, 0 (off) or a positive int32, got {self.top_k}")
-        need(self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
-        need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        need(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        need(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        need(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
-        need(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}")
+        need(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        need(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        need(-1 <= self.top_k <= 2**31 - 1, "top_k", f"must be -1, 0 (off) or a positive int32, got {self.top_k}")
+        need(self.seed is None or 0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+        need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        need(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be a list of non-empty strings")
+        need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.top_k == -1:
             self.top_k = 0
 
@@ -74,25 +83,25 @@ class TokenLogprob(NamedTuple):
 
 
 class Request:
-    """Mutable state of one request; owned by the scheduler, read by the runner."""
+    """Mutable state of one request: status by the scheduler, KV bookkeeping by the block manager; read by the runner."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int):
         self.request_id = request_id
         self.params = params
-        self.max_tokens = max_tokens  # params.max_tokens capped by the context left
+        self.max_tokens = max_tokens  # params.max_tokens resolved against the context the prompt leaves
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # KV bookkeeping, written by the BlockManager only
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
         self.num_committed_blocks = 0  # leading blocks already published in the prefix cache
+        self.admitted = False  # allocated once already, so cache stats count each prompt once
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
-        self.admitted = False  # set on first admission, so cache stats count each prompt once
         self.announced = False  # an output (maybe empty) has told the caller it was scheduled
-        self.fault = False  # test-only fault injection (engine.config.fault_marker)
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
         self.generator = None  # torch.Generator when params.seed is set
 

@@ -3,11 +3,13 @@
 No prefill or decode phase exists: every request has `num_computed_tokens` and a step gives it
 `n` more. Invariants: no step exceeds `max_num_batched_tokens` tokens (prompts are only unchunked
 in the baselines, whose budget is raised to fit one whole prompt) or `max_num_seqs` requests; a
-preempted request is requeued at the front, never lost.
+preempted request is requeued at the front, never lost. The block manager alone writes a
+request's KV bookkeeping; the scheduler only reads it.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -15,14 +17,54 @@ from engine.config import EngineConfig
 from engine.request import Request, Status
 
 
+class RequestQueue:
+    """Requests in order, with O(1) append at either end, popleft and removal from anywhere."""
+
+    def __init__(self) -> None:
+        self._reqs: OrderedDict[Request, None] = OrderedDict()
+
+    def append(self, req: Request) -> None:
+        self._reqs[req] = None
+
+    def appendleft(self, req: Request) -> None:
+        self._reqs[req] = None
+        self._reqs.move_to_end(req, last=False)
+
+    def first(self) -> Request:
+        return next(iter(self._reqs))
+
+    def popleft(self) -> Request:
+        return self._reqs.popitem(last=False)[0]
+
+    def remove(self, req: Request) -> None:
+        del self._reqs[req]
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._reqs)
+
+    def __reversed__(self) -> Iterator[Request]:
+        return reversed(self._reqs)
+
+    def __repr__(self) -> str:
+        return f"RequestQueue({list(self._reqs)})"
+
+
 @dataclass
 class Batch:
     reqs: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    _members: set[Request] = field(default_factory=set, init=False, repr=False)
 
     def add(self, req: Request, n: int) -> None:
         self.reqs.append(req)
         self.num_new_tokens.append(n)
+        self._members.add(req)
+
+    def __contains__(self, req: Request) -> bool:
+        return req in self._members
 
     @property
     def num_tokens(self) -> int:
@@ -40,13 +82,11 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
         self.bm = block_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: the tail is preempted first
+        self.waiting = RequestQueue()  # first come, first served; the preempted go back to the front
+        self.running = RequestQueue()  # admission order: the tail is preempted first
         # NOTE: the baselines never chunk, so their budget must fit the longest allowed prompt.
         self.whole_prompt_budget = max(config.max_num_batched_tokens, max_model_len)
         self.num_preemptions = 0
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -74,18 +114,16 @@ class Scheduler:
     # -- building blocks -------------------------------------------------------------------
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0 and len(batch) < self.config.max_num_seqs:
-            req = self.running[i]
-            i += 1
-            if req.is_prefilling:
-                continue
+        for req in list(self.running):
+            if budget <= 0 or len(batch) >= self.config.max_num_seqs:
+                break
+            if req.status is not Status.RUNNING or req.is_prefilling:
+                continue  # preempted meanwhile, or mid-prompt
             if self._allocate_or_preempt(req, 1, batch):
                 batch.add(req, 1)
                 budget -= 1
             else:
                 self._preempt(req)
-                i -= 1
         return budget
 
     def _schedule_partial_prefills(self, batch: Batch, budget: int) -> int:
@@ -107,25 +145,16 @@ class Scheduler:
         cfg, admitted = self.config, 0
         partial = sum(1 for r in batch.reqs if r.is_prefilling)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(batch) < cfg.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.first()
             cached = self.bm.match_prefix(req)
-            num_cached = len(cached) * self.bm.block_size
-            remaining = req.num_tokens - num_cached
+            remaining = req.num_tokens - len(cached) * self.bm.block_size
             if chunked and remaining > 1 and partial >= cfg.max_num_partial_prefills:
                 break
             n = min(remaining, budget, cfg.chunk_limit) if chunked else remaining
             if n > budget:
                 break  # an unchunked prompt waits for a step of its own
-            req.num_computed_tokens = num_cached
             if not self.bm.allocate(req, n, cached):
-                req.num_computed_tokens = 0
                 break
-            req.num_committed_blocks = len(cached)
-            if not req.admitted:
-                req.admitted = True
-                req.num_cached_tokens = num_cached
-                self.prefix_cache_queries += req.num_prompt_tokens
-                self.prefix_cache_hits += min(num_cached, req.num_prompt_tokens)
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -138,17 +167,24 @@ class Scheduler:
     def _allocate_or_preempt(self, req: Request, n: int, batch: Batch) -> bool:
         """Allocates for `req`, preempting later-admitted, unscheduled requests while needed."""
         while not self.bm.allocate(req, n):
-            victim = next((r for r in reversed(self.running) if r is not req and r not in batch.reqs), None)
-            if victim is None or self.running.index(victim) < self.running.index(req):
-                return False  # never preempt an older request for a younger one
+            victim = self._victim(req, batch)
+            if victim is None:
+                return False
             self._preempt(victim)
         return True
+
+    def _victim(self, req: Request, batch: Batch) -> Request | None:
+        """The most recently admitted running request outside `batch`, if it was admitted after `req`."""
+        for r in reversed(self.running):
+            if r is req:
+                return None  # never preempt an older request for a younger one
+            if r not in batch:
+                return r
+        return None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.bm.free(req)
-        req.num_computed_tokens = 0
-        req.num_committed_blocks = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -157,8 +193,7 @@ class Scheduler:
 
     def postprocess(self, batch: Batch) -> None:
         for req, n in zip(batch.reqs, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            req.num_committed_blocks = self.bm.commit(req, req.num_committed_blocks)
+            self.bm.commit(req, n)
 
     def finish(self, req: Request, reason: str) -> None:
         if req.status is Status.RUNNING:

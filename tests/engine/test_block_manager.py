@@ -1,5 +1,6 @@
-"""BlockManager: the O(1) LRU free queue, chained prefix hashes, ref counts, pinning, integrity checks,
-and a property test driving a real Scheduler + BlockManager through random add/step/abort/stop sequences."""
+"""BlockManager: the O(1) LRU free queue, chained prefix hashes, ref counts, the per-request bookkeeping it alone
+writes (computed / cached / committed counts), pinning, integrity checks, and a property test driving a real
+Scheduler + BlockManager through random add/step/abort/stop sequences."""
 from __future__ import annotations
 
 import pytest
@@ -16,15 +17,13 @@ BS = 4
 
 
 def compute(bm: BlockManager, rid: str, tokens: list[int]) -> tuple[Request, int]:
-    """Admits `tokens` as the scheduler would (prefix lookup, allocate, compute all, commit)."""
+    """Admits `tokens` as the scheduler would (prefix lookup, allocate, compute all, commit); returns the hit."""
     req = Request(rid, tokens, SamplingParams(), 1)
     cached = bm.match_prefix(req)
-    req.num_computed_tokens = len(cached) * bm.block_size
-    assert bm.allocate(req, req.num_tokens - req.num_computed_tokens, cached)
-    req.num_committed_blocks = len(cached)
-    req.num_computed_tokens = req.num_tokens
-    req.num_committed_blocks = bm.commit(req, req.num_committed_blocks)
-    return req, len(cached) * bm.block_size
+    assert bm.allocate(req, req.num_tokens - len(cached) * bm.block_size, cached)
+    bm.commit(req, req.num_tokens - req.num_computed_tokens)
+    assert req.num_computed_tokens == req.num_tokens
+    return req, req.num_cached_tokens
 
 
 def toks(start: int, n: int) -> list[int]:
@@ -200,11 +199,74 @@ def test_allocate_is_all_or_nothing():
     again = Request("again", toks(10, 8) + toks(100, 12), SamplingParams(), 1)
     cached = bm.match_prefix(again)
     assert len(cached) == 2
-    again.num_computed_tokens = 8
     assert not bm.can_allocate(again, 12, cached)  # 2 revived + 3 fresh > 4
+    assert not bm.allocate(again, 12, cached)
+    assert (again.block_table, again.num_computed_tokens, again.admitted) == ([], 0, False)  # nothing to roll back
     assert bm.allocate(again, 8, cached)  # 2 revived + 2 fresh = 4
     assert bm.num_free_blocks == 0
     bm.check_integrity([again])
+
+
+# -- per-request bookkeeping: allocate sets it, commit moves it on, free resets it ------------------
+
+
+def test_admission_counts_cache_hits_as_computed_and_committed():
+    bm = BlockManager(16, BS)
+    warm, _ = compute(bm, "warm", toks(10, 12) + [1])
+    req = Request("r", toks(10, 12) + [2, 3], SamplingParams(), 1)
+    cached = bm.match_prefix(req)
+    assert len(cached) == 3
+    assert bm.allocate(req, 2, cached)
+    assert (req.num_computed_tokens, req.num_committed_blocks, req.num_cached_tokens) == (12, 3, 12)
+    assert req.block_table[:3] == [b.id for b in cached] and len(req.block_table) == 4
+    bm.commit(req, 2)
+    assert (req.num_computed_tokens, req.num_committed_blocks) == (14, 3)  # the 4th block is not full
+    bm.check_integrity([warm, req])
+
+
+def test_commit_publishes_each_full_block_once_and_moves_the_count_on():
+    bm = BlockManager(16, BS)
+    req = Request("r", toks(10, 10), SamplingParams(), 1)
+    assert bm.allocate(req, 3)  # a 3-token chunk: nothing full yet
+    bm.commit(req, 3)
+    assert (req.num_computed_tokens, req.num_committed_blocks, len(bm.cached)) == (3, 0, 0)
+    assert bm.allocate(req, 7)
+    bm.commit(req, 7)
+    assert (req.num_computed_tokens, req.num_committed_blocks, len(bm.cached)) == (10, 2, 2)
+    assert [bm.cached[h].id for h in req.block_hashes] == req.block_table[:2]
+    req.token_ids.append(5)  # a decode: the block is still not full
+    assert bm.allocate(req, 1)
+    bm.commit(req, 1)
+    assert (req.num_committed_blocks, len(bm.cached)) == (2, 2)
+    bm.check_integrity([req])
+    with pytest.raises(AssertionError, match="past its blocks"):
+        bm.commit(req, 2)
+
+
+def test_free_resets_the_counts_and_readmission_counts_the_prompt_once():
+    bm = BlockManager(16, BS)
+    req = Request("r", toks(10, 9), SamplingParams(), 1)
+    assert bm.allocate(req, 9) and bm.prefix_cache_queries == 9 and bm.prefix_cache_hits == 0
+    bm.commit(req, 9)
+    req.token_ids.append(7)
+    bm.free(req)  # preempted
+    assert (req.block_table, req.num_computed_tokens, req.num_committed_blocks) == ([], 0, 0)
+    cached = bm.match_prefix(req)  # its own blocks are still cached
+    assert len(cached) == 2 and bm.allocate(req, 2, cached)
+    assert (req.num_computed_tokens, req.num_committed_blocks) == (8, 2)
+    assert req.num_cached_tokens == 0, "num_cached_tokens is the first admission's hit"
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (9, 0), "a readmitted prompt is counted once"
+    bm.check_integrity([req])
+
+
+def test_prefix_hits_are_taken_on_admission_only():
+    bm = BlockManager(16, BS)
+    compute(bm, "warm", toks(10, 8) + [1])
+    req = Request("r", toks(10, 8) + [2], SamplingParams(), 1)
+    cached = bm.match_prefix(req)
+    assert bm.allocate(req, 1, cached)
+    with pytest.raises(AssertionError, match="admission"):
+        bm.allocate(req, 1, cached)
 
 
 # -- a fully cached prompt still computes its last token --------------------------------------
@@ -245,6 +307,17 @@ def test_pinned_blocks_are_never_evicted():
     bm.check_integrity([r])
     bm.free(r)
     assert bm.num_free_blocks == 6  # still held by the pin
+
+
+def test_pin_takes_token_ids_not_a_request():
+    bm = BlockManager(8, BS)
+    a, _ = compute(bm, "a", toks(10, 9))
+    full = a.block_table[:2]
+    bm.free(a)
+    assert bm.pin(toks(10, 9)) == 8  # two full blocks; the partial third is never pinned
+    assert [b.id for b in bm.pinned] == full and bm.num_free_blocks == 6
+    assert bm.prefix_cache_queries == 9, "pinning is not a request: no cache stats"
+    bm.check_integrity()
 
 
 def test_pin_of_uncached_tokens_pins_nothing():
@@ -372,7 +445,7 @@ def test_random_traffic_keeps_the_pool_consistent(
         step()
     target(float(sched.num_preemptions), label="preemptions")
     event(f"preempted: {sched.num_preemptions > 0}")
-    event(f"prefix hits: {sched.prefix_cache_hits > 0}")
+    event(f"prefix hits: {bm.prefix_cache_hits > 0}")
     assert not sched.has_unfinished(), f"no progress: running={sched.running} waiting={list(sched.waiting)}"
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)

@@ -1,12 +1,13 @@
-"""LLMEngine's public surface (docs/architecture.md §3, §6): validation at add_request, abort at any stage, stats keys,
-generate over text and token prompts, and step outputs only for requests that advanced."""
+"""LLMEngine's public surface (docs/architecture.md §3, §6): validation and max_tokens at add_request, abort at any
+stage, a model failure that fails only its step, stats keys, generate over text and token prompts, and step outputs
+only for requests that advanced."""
 from __future__ import annotations
 
 import shutil
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, PromptTooLongError, SamplingParams, StepError
 
 MAX_LEN = 256
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -73,6 +74,30 @@ def test_prompt_with_no_room_to_generate_is_rejected(eng):
 def test_prompt_near_the_limit_is_cut_by_length(eng):
     out = eng.generate([prompt(MAX_LEN - 3)], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_max_tokens_none_takes_all_the_room_the_prompt_leaves(eng):
+    out = eng.generate([prompt(MAX_LEN - 5)], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    eng.add_request("none", prompt(MAX_LEN - 5), SamplingParams(max_tokens=None), fit_max_tokens=False)
+    assert eng.requests["none"].max_tokens == 5  # resolved once, at admission
+    eng.abort("none")
+    drain(eng)
+
+
+def test_max_tokens_beyond_the_room_is_refused_unless_fitted(eng):
+    p = prompt(MAX_LEN - 10)
+    with pytest.raises(PromptTooLongError) as info:
+        eng.add_request("big", p, SamplingParams(max_tokens=11), fit_max_tokens=False)
+    assert str(info.value) == (f"the context is {MAX_LEN} tokens; the prompt has {MAX_LEN - 10} and max_tokens asks "
+                               "for 11 more (at most 10 fit)")
+    assert not eng.has_unfinished() and "big" not in eng.requests
+    eng.add_request("big", p, SamplingParams(max_tokens=10), fit_max_tokens=False)  # exactly the room: accepted
+    eng.add_request("capped", p, SamplingParams(max_tokens=11))  # fit_max_tokens=True (the default): capped
+    assert eng.requests["big"].max_tokens == eng.requests["capped"].max_tokens == 10
+    eng.abort("big")
+    eng.abort("capped")
+    drain(eng)
 
 
 @pytest.mark.parametrize("bad", [[], [0, 1024], [-1, 5]])
@@ -169,6 +194,33 @@ def test_abort_unknown_id_is_harmless(eng):
     assert {o.request_id for o in outs} == {"x"} and outs[-1].finish_reason == "length"
     eng.abort("x")  # already finished
     assert eng.step() == []
+
+
+# -- a failing model ----------------------------------------------------------------------------
+
+
+def test_a_model_failure_aborts_exactly_that_steps_requests(eng, monkeypatch):
+    """Faults come through a seam (the runner, here), never through a flag the engine checks every step."""
+    p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i in range(5):  # max_num_seqs=4: the last one waits, outside the failing step
+        eng.add_request(f"f{i}", prompt(10), p)
+    real_run, calls = eng.runner.run, []
+
+    def fail_once(batch, samples):
+        calls.append([r.request_id for r in batch.reqs])
+        if len(calls) == 1:
+            raise RuntimeError("the model failed")
+        return real_run(batch, samples)
+
+    monkeypatch.setattr(eng.runner, "run", fail_once)
+    with pytest.raises(StepError) as info:
+        eng.step()
+    assert sorted(info.value.request_ids) == ["f0", "f1", "f2", "f3"] == sorted(calls[0])
+    assert isinstance(info.value.cause, RuntimeError)
+    assert set(eng.requests) == {"f4"}
+    eng.check_integrity()
+    outs = drain(eng)  # the failed requests are not reported again; the waiting one runs
+    assert {o.request_id for o in outs} == {"f4"} and outs[-1].finish_reason == "length"
 
 
 # -- stats ----------------------------------------------------------------------------------------

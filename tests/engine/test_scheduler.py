@@ -9,7 +9,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.request import Request, SamplingParams, Status
-from engine.scheduler import Scheduler
+from engine.scheduler import RequestQueue, Scheduler
 
 
 @dataclass
@@ -252,10 +252,10 @@ def test_the_oldest_request_preempts_the_newest_not_its_neighbour(policy):
     for r in [r0, *others, late]:
         sched.add(r)
     fake_step(sched, max_len)
-    assert sched.running == [r0, *others] and sched.bm.num_free_blocks == 0
+    assert list(sched.running) == [r0, *others] and sched.bm.num_free_blocks == 0
     rec = fake_step(sched, max_len)
     assert sched.num_preemptions == 1
-    assert sched.running == [r0, *others[:2]] and set(rec.reqs) == {r0, *others[:2]}
+    assert list(sched.running) == [r0, *others[:2]] and set(rec.reqs) == {r0, *others[:2]}
     assert list(sched.waiting) == [others[2], late], "the preempted request goes back to the front of the queue"
     run_until_done(sched, max_len)
     assert all(r.num_output_tokens == r.max_tokens for r in [r0, *others, late])
@@ -299,3 +299,44 @@ def test_preemption_requeues_most_recent_at_front_and_it_completes(policy):
         assert r.num_output_tokens == r.max_tokens
         assert r.token_ids[r.num_prompt_tokens :] == [7] * r.max_tokens
     assert sched.bm.num_free_blocks == num_blocks
+
+
+# -- the queues: FIFO order, O(1) removal ---------------------------------------------------
+
+
+def test_request_queue_keeps_order_and_removes_from_anywhere():
+    rs = [req(1, 1, rid=f"q{i}") for i in range(5)]
+    q = RequestQueue()
+    for r in rs[1:]:
+        q.append(r)
+    q.appendleft(rs[0])
+    assert list(q) == rs and list(reversed(q)) == rs[::-1] and len(q) == 5 and q.first() is rs[0]
+    q.remove(rs[2])
+    assert q.popleft() is rs[0] and list(q) == [rs[1], rs[3], rs[4]]
+    q.appendleft(rs[0])  # a preempted request goes back to the front
+    assert list(q) == [rs[0], rs[1], rs[3], rs[4]] and rs[2] not in list(q)
+    with pytest.raises(KeyError):
+        q.remove(rs[2])
+
+
+def test_finish_and_preemption_never_walk_the_queues(monkeypatch):
+    sched = make(max_model_len=64, num_blocks=1024, block_size=4, max_num_seqs=256, max_num_batched_tokens=4096,
+                 max_num_partial_prefills=256)
+    reqs = [req(4, 8) for _ in range(300)]
+    for r in reqs:
+        sched.add(r)
+    fake_step(sched, 64)  # 256 run, 44 wait
+    assert len(sched.running) == 256 and len(sched.waiting) == 44
+
+    def walk(self):
+        raise AssertionError("removal must be O(1): it walked the queue")
+
+    monkeypatch.setattr(RequestQueue, "__iter__", walk)
+    monkeypatch.setattr(RequestQueue, "__reversed__", walk)
+    sched.finish(reqs[100], "abort")  # from the middle of running
+    sched.finish(reqs[270], "abort")  # from the middle of waiting
+    sched._preempt(reqs[200])
+    monkeypatch.undo()
+    assert reqs[100] not in list(sched.running) and reqs[270] not in list(sched.waiting)
+    assert list(sched.waiting)[0] is reqs[200] and len(sched.running) == 254 and len(sched.waiting) == 44
+    sched.bm.check_integrity(sched.running)

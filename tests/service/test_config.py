@@ -95,7 +95,7 @@ def test_flags_win_over_variables_and_empty_means_unset(tmp_path) -> None:
 
 
 def test_variables_that_name_no_flag_are_left_alone() -> None:
-    env = {"SLUICE_HOME": "/data", "SLUICE_FAULT_INJECT": "boom", "SLUICE_KERNELS": "nonsense",
+    env = {"SLUICE_HOME": "/data", "SLUICE_KERNELS": "nonsense",
            "SLUICE_UPDATE_DOCS": "1", "SLUICE_QUIET": "1", "SLUICE_MODELS_DIR": "./models"}
     assert parse_config([], env) == ServerConfig()
 

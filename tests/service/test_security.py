@@ -1,19 +1,27 @@
 """A guarded server: API key (HTTP 401 / WebSocket 1008), allowed Origins, connection cap,
-admission queue (`overloaded` / HTTP 429), an injected step fault that fails only its request,
-and a pinned system prompt."""
+admission queue (`overloaded` / HTTP 429) and a pinned system prompt; and, in process, a model fault
+that fails only its request."""
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tests.service.conftest import LONG, MAIN_ENGINE, Server, check_chat_frames, collect, recv, send, start_server, user_chat
+from engine import EngineConfig, LLMEngine
+from service.app import build_app
+from service.config import ServerConfig
+from tests.service.conftest import (LONG, MAIN_ENGINE, Server, check_chat_frames, collect, free_port, recv, send,
+                                    start_server, user_chat)
 
 KEY = "s3cret-key"
 ORIGIN = "http://chat.example"
@@ -30,12 +38,47 @@ def guarded(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     server = start_server(
         tmp, f"--pin-system-prompt={tmp / 'system.txt'}", "--num-kv-blocks=512", f"--max-model-len={MAIN_ENGINE['max_model_len']}", "--max-num-seqs=1",
         f"--max-connections={MAX_CONNECTIONS}", f"--max-queued-requests={MAX_QUEUED}",
-        f"--allowed-origins=http://other.example,{ORIGIN}", env={"SLUICE_API_KEY": KEY, "SLUICE_FAULT_INJECT": FAULT})
+        f"--allowed-origins=http://other.example,{ORIGIN}", env={"SLUICE_API_KEY": KEY})
     yield server
     assert server.stop() == 0, server.log_text()[-4000:]
 
 
-async def authed(server: Server, **kwargs) -> object:
+def faulty_engine(config: EngineConfig) -> LLMEngine:
+    """A real engine whose model fails every step that holds a prompt containing FAULT."""
+    eng = LLMEngine(config)
+    run = eng.runner.run
+
+    def run_or_fail(batch, samples):
+        if any(FAULT in eng.tokenizer.decode(r.token_ids[: r.num_prompt_tokens]) for r in batch.reqs):
+            raise RuntimeError("injected fault")
+        return run(batch, samples)
+
+    eng.runner.run = run_or_fail
+    return eng
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny_model_dir) -> Iterator[SimpleNamespace]:
+    """The app `sluice serve` builds, over `faulty_engine`, under uvicorn in a thread of this process."""
+    config = ServerConfig(api_key=KEY, num_kv_blocks=512, max_model_len=MAIN_ENGINE["max_model_len"], max_num_seqs=1)
+    app = build_app(config, engine_factory=lambda: faulty_engine(EngineConfig(**config.engine_kwargs())))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets-sansio",
+                                           ws_per_message_deflate=False, log_config=None))
+    thread = threading.Thread(target=server.run, name="faulty-server", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while not (server.started and httpx.get(f"{url}/health").status_code == 200):
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not become healthy"
+        time.sleep(0.1)
+    yield SimpleNamespace(url=url, ws_url=f"ws://127.0.0.1:{port}/v1/ws")
+    server.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+async def authed(server: Server | SimpleNamespace, **kwargs) -> object:
     ws = await connect(server.ws_url, additional_headers=AUTH, **kwargs)
     assert (await recv(ws))["type"] == "ready"
     return ws
@@ -123,8 +166,8 @@ async def test_overloaded_queue(guarded: Server) -> None:
     await ws.close()
 
 
-async def test_step_fault_fails_only_its_request(guarded: Server) -> None:
-    ws = await authed(guarded)
+async def test_step_fault_fails_only_its_request(faulty: SimpleNamespace) -> None:
+    ws = await authed(faulty)
     await ws.send(json.dumps(user_chat("boom", f"please {FAULT} now", max_tokens=8)))
     err = (await collect(ws, {"boom"}))["boom"][-1]
     assert err["type"] == "error" and err["code"] == "internal" and err["id"] == "boom"
@@ -132,7 +175,7 @@ async def test_step_fault_fails_only_its_request(guarded: Server) -> None:
     text, done = check_chat_frames((await collect(ws, {"fine"}))["fine"])
     assert done["usage"]["completion_tokens"] == 8 and text
     await ws.close()
-    r = httpx.get(f"{guarded.url}/health")
+    r = httpx.get(f"{faulty.url}/health")
     assert r.status_code == 200
 
 

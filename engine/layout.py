@@ -1,0 +1,67 @@
+"""Where the engine runs and how its KV pool is shaped: device, dtype, block count, max_model_len.
+
+Resolved once, at construction, from `EngineConfig` and the model's config (docs/architecture.md §5,
+Sizing); a `max_model_len` that cannot fit is refused here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.models import ModelConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Layout:
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int  # tokens per KV block
+    num_blocks: int  # KV blocks in the pool
+    max_model_len: int  # most tokens (prompt + output) of one request
+
+
+def placement(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """`auto` device: CUDA if available; `auto` dtype: bfloat16 on CUDA, float32 on CPU."""
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+    if config.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, TORCH_DTYPES[config.dtype]
+
+
+def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype) -> Layout:
+    """Sizes the KV pool. Call it once the weights are on `device`: on CUDA the pool takes a share of
+    the memory they leave. Raises `ValueError` for an explicit `max_model_len` that cannot fit."""
+    block_size = config.block_size
+    bytes_per_block = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    model_len = config.max_model_len or mc.max_position_embeddings
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * config.kv_memory_fraction)
+        else:
+            budget = config.kv_cpu_bytes
+        needed = config.max_num_seqs * -(-model_len // block_size)  # never more than max_num_seqs full requests
+        num_blocks = max(1, min(budget // bytes_per_block, needed))
+    capacity = num_blocks * block_size
+    if config.max_model_len is None:
+        max_model_len = min(mc.max_position_embeddings, capacity)
+    else:
+        max_model_len = config.max_model_len
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}"
+            )
+        if max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len={max_model_len} needs more KV than {num_blocks} blocks x {block_size} tokens = {capacity}; "
+                "raise num_kv_blocks or lower max_model_len"
+            )
+    return Layout(device, dtype, block_size, num_blocks, max_model_len)
