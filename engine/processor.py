@@ -48,27 +48,40 @@ class InputProcessor:
     def text_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def prompt_ids(self, prompt: Messages | str | list[int], chat: bool) -> list[int]:
-        """Token ids of a prompt, checked: not empty, in the vocabulary, shorter than the context.
-
-        Raises `PromptTooLongError` (no room for one new token) or `ValueError` (anything else)."""
+    def tokenize(self, prompt: Messages | str | list[int], chat: bool) -> list[int]:
+        """Token ids of a prompt, unchecked: what a server's tokenizer thread does. Raises `ValueError` if the chat
+        template refuses the messages."""
         if chat:
             try:
-                ids = self.chat_ids(prompt)  # type: ignore[arg-type]
+                return self.chat_ids(prompt)  # type: ignore[arg-type]
             except Exception as e:  # e.g. a template that rejects this sequence of roles
                 raise ValueError(f"cannot build the prompt: {e}") from None
-        elif isinstance(prompt, str):
-            ids = self.text_ids(prompt)
-        else:
-            ids = list(prompt)
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
+        return self.text_ids(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def check(self, ids: list[int]) -> list[int]:
+        """`ids`, if they make a prompt: not empty, in the vocabulary, shorter than the context.
+
+        Raises `PromptTooLongError` (no room for one new token) or `ValueError` (anything else)."""
         if not ids:
             raise ValueError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} "
                                      "tokens, leaving no room for a completion")
         return ids
+
+    def prompt_ids(self, prompt: Messages | str | list[int], chat: bool) -> list[int]:
+        """`check(tokenize(prompt, chat))`."""
+        return self.check(self.tokenize(prompt, chat))
+
+    def system_prefix_ids(self, system_prompt: str) -> list[int]:
+        """The templated tokens every conversation that opens with this system prompt shares (what to pin): the
+        longest common prefix of two such conversations that differ only in their user message."""
+        a, b = (self.chat_ids([{"role": "system", "content": system_prompt}, {"role": "user", "content": u}])
+                for u in ("a", "b"))
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return a[:n]
 
     def refuse_early(self, prompt: Messages | str | list[int]) -> None:
         """Raises `PromptTooLongError` for token ids that fill the context, or text whose lower bound on tokens

@@ -1,20 +1,17 @@
-"""The Starlette app: routes, middleware, and `Service`, the state every handler shares.
+"""The Starlette app: routes, middleware, `/health`, `/metrics` and the chat UI's files.
 
-The lifespan starts the engine thread and returns at once, so `/health` answers 503 while the
-model loads and 200 once it is ready; `Service.drain` is the graceful-shutdown sequence.
+Every handler shares one `service.state.Service`; its lifespan starts the engine thread and returns at once, so
+`/health` answers 503 while the model loads and 200 once it is ready.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
 import sysconfig
-import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,17 +23,12 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from service import openai_api, ws
-from service.auth import AccessMiddleware, PendingAuth
-from service.bridge import EngineBridge
-from service.budget import PeerBudgets
+from service.auth import AccessMiddleware
 from service.config import ServerConfig
-from service.metrics import Metrics
-
-if TYPE_CHECKING:
-    from service.ws import Connection
+from service.openai_errors import error_response
+from service.state import Service
 
 log = logging.getLogger("sluice.app")
-
 
 
 def web_dir_candidates() -> list[Path]:
@@ -54,63 +46,6 @@ def web_dir_candidates() -> list[Path]:
 
 def web_dir() -> Path | None:
     return next((d for d in web_dir_candidates() if (d / "index.html").is_file()), None)
-
-
-class Service:
-    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any]) -> None:
-        self.config = config
-        pinned = [Path(p).read_text(encoding="utf-8") for p in config.pin_system_prompt]
-        self.metrics = Metrics(lambda: self.bridge.stats)
-        self.bridge = EngineBridge(engine_factory, max_queued=config.max_queued_requests,
-                                   pinned_system_prompts=pinned, metrics=self.metrics)
-        self.connections: set[Connection] = set()  # authenticated; --max-connections counts these
-        self.pending_auth = PendingAuth(config.max_pending_auth)  # open, still waiting to send `hello`
-        self.http_budgets = PeerBudgets()  # event-loop time spent decoding each peer's HTTP bodies
-        self.draining = False
-        self.started_at = int(time.time())
-
-    @property
-    def model_name(self) -> str:
-        return self.config.served_model_name or self.bridge.model_name
-
-    @property
-    def accepting(self) -> bool:
-        return self.bridge.ready and not self.draining
-
-    @asynccontextmanager
-    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self.bridge.start()
-        try:
-            yield
-        finally:
-            await self.bridge.stop()
-
-    async def drain(self, timeout: float, give_up: Callable[[], bool] = lambda: False) -> None:
-        """Refuse new chats, let those in flight finish (then cancel the rest), close sockets with 1001.
-
-        The listener stays open meanwhile, so load balancers see `/health` answer 503 `draining`.
-        `give_up()` turning true (a second Ctrl+C) skips the rest of the wait."""
-        self.draining = True
-        self.pending_auth.evict_all()  # sockets that never authenticated have nothing to finish
-        log.info("shutting down: %d requests in flight, %d websockets", self.bridge.num_in_flight,
-                 len(self.connections))
-        if not await _wait_until(lambda: not self.bridge.num_in_flight or give_up(), timeout):
-            log.warning("cancelling %d requests still running after %.0f s", self.bridge.num_in_flight, timeout)
-            self.bridge.abort_all()
-            await _wait_until(lambda: not self.bridge.num_in_flight or give_up(), 5.0)
-        for conn in list(self.connections):
-            conn.shutdown(1001)
-        # a client that never reads its close frame gets no longer than this
-        await _wait_until(lambda: not self.connections or give_up(), 2.0)
-
-
-async def _wait_until(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
 
 
 async def health(request: Request) -> Response:
@@ -131,7 +66,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
     """OpenAI's error shape under /v1, plain text elsewhere (404 for an unknown route, 405 with `Allow`, ...)."""
     assert isinstance(exc, HTTPException)
     if request.url.path.startswith("/v1/"):
-        return openai_api.error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+        return error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
                                          headers=exc.headers)
     return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
 

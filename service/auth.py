@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.openai_api import error_response
+from service.openai_errors import error_response
 
 
 def key_matches(presented: str | None, expected: str) -> bool:

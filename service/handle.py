@@ -10,17 +10,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine import SamplingParams
+from service.protocol import ErrorCode
+
 # (token text, logprob, [(top token text, logprob), ...]) per generated token
 TokenLogprobs = tuple[str, float, list[tuple[str, float]]]
 
 
 class RequestError(Exception):
-    """A request refused or failed; `code` is a protocol error code (docs/protocol.md §6)."""
+    """A request refused or failed; `code` is a protocol error code (docs/protocol.md §6), `param` the request
+    field at fault when one is."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.code: ErrorCode = code
         self.message = message
+        self.param = param
+
+
+def sampling_params(**kwargs: Any) -> SamplingParams:
+    """`SamplingParams(**kwargs)`, its refusal as a `RequestError`: built once, on the loop, carried to the engine."""
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise RequestError("invalid_message", f"invalid sampling parameters: {e}", getattr(e, "param", None)) from None
 
 
 @dataclass(frozen=True)
@@ -28,10 +41,8 @@ class GenerateRequest:
     # chat messages (chat=True: {"role", "content"} dicts or objects with those attributes), or raw text / token ids
     prompt: Sequence[Any] | str | list[int]
     chat: bool
-    sampling: dict[str, Any]  # SamplingParams kwargs except max_tokens/logprobs
-    max_tokens: int | None = None  # None: all the context the prompt leaves
+    params: SamplingParams  # max_tokens None: all the context the prompt leaves
     fit_max_tokens: bool = True  # cap max_tokens to the context the prompt leaves; False: refuse the request
-    logprobs: int | None = None
     api: str = "ws"  # metrics label
 
 
@@ -43,7 +54,7 @@ class RequestHandle:
         self.api = api
         self.notify = notify  # wakes the consumer; called on the loop after every change
         self.arrival = time.monotonic()
-        self.prompt_tokens: int | None = None  # set by the first output: the request has started
+        self.prompt_tokens: int | None = None  # set by `start`
         self.cached_tokens = 0
         self.completion_tokens = 0
         self.queue_s = 0.0
@@ -57,8 +68,18 @@ class RequestHandle:
         self._logprobs: list[TokenLogprobs] = []
 
     @property
+    def started(self) -> bool:
+        """Scheduled by the engine (its first output came), or ended before it was: prompt counts are known."""
+        return self.prompt_tokens is not None
+
+    @property
     def finished(self) -> bool:
         return self.finished_at is not None
+
+    def start(self, prompt_tokens: int, cached_tokens: int, at: float) -> None:
+        assert not self.started, f"request {self.request_id} started twice"
+        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
+        self.queue_s = max(0.0, at - self.arrival)
 
     def push(self, text: str, num_tokens: int, logprobs: list[TokenLogprobs] | None) -> None:
         self.completion_tokens += num_tokens

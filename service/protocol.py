@@ -24,6 +24,20 @@ FinishReason = Literal["stop", "length", "cancelled"]
 ChatId = Annotated[str, Meta(min_length=1, max_length=64)]
 StopString = Annotated[str, Meta(min_length=1, max_length=256)]
 
+# The sampling fields' wire ranges (docs/protocol.md §3), written once for both APIs: the WebSocket `chat` and
+# OpenAI's requests (openai_api.py). They are what the API promises; SamplingParams checks what the engine can do.
+MaxTokens = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # presence and frequency
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+StopStrings = Annotated[list[StopString], Meta(max_length=16)]
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "stop", "ignore_eos")
+
 
 class _In(Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
     pass
@@ -41,23 +55,21 @@ class Hello(_In, tag="hello"):
 class Chat(_In, tag="chat"):
     id: ChatId
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    stop: Annotated[list[StopString], Meta(max_length=16)] | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
+    stop: StopStrings | None = None
     ignore_eos: bool | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The sampling fields the client set (`SamplingParams` keyword arguments), max_tokens excluded."""
-        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seed", "stop", "ignore_eos")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return {n: getattr(self, n) for n in SAMPLING_FIELDS if getattr(self, n) is not None}
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content} for m in self.messages]

@@ -17,7 +17,8 @@ from types import FrameType
 
 import uvicorn
 
-from service.app import Service, build_app
+from service.app import build_app
+from service.state import Service
 from service.config import ServerConfig
 from service.transport import HttpGuard, SluiceWebSocketProtocol
 

@@ -30,6 +30,28 @@ def test_prompt_ids_checks(proc: InputProcessor) -> None:
     with pytest.raises(PromptTooLongError, match="no room"):
         proc.prompt_ids(list(range(MAX_LEN)), chat=False)
     proc.prompt_ids(list(range(MAX_LEN - 1)), chat=False)  # one token of room is enough
+    with pytest.raises(ValueError, match="token ids must be in"):
+        proc.prompt_ids([-1, 5], chat=False)
+
+
+def test_tokenize_does_not_check_the_engine_does(proc: InputProcessor) -> None:
+    """A server's tokenizer thread only tokenizes; whether the ids make a prompt is the engine's call (`check`)."""
+    too_long = proc.tokenize("x" * 1000, chat=False)
+    assert len(too_long) >= MAX_LEN
+    with pytest.raises(PromptTooLongError):
+        proc.check(too_long)
+    assert proc.tokenize([proc.vocab_size], chat=False) == [proc.vocab_size]
+    with pytest.raises(ValueError, match="cannot build the prompt"):
+        proc.tokenize([{"role": "nobody", "content": "x"}, {"role": "assistant"}], chat=True)
+
+
+def test_system_prefix_is_what_conversations_with_that_system_prompt_share(proc: InputProcessor) -> None:
+    system = "You are terse."
+    prefix = proc.system_prefix_ids(system)
+    for user in ("hi", "what is a paged KV cache?"):
+        ids = proc.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": user}])
+        assert ids[: len(prefix)] == prefix
+    assert proc.tokenizer.decode(prefix).startswith("<|im_start|>system\nYou are terse.<|im_end|>")
 
 
 def test_a_template_adds_tokens_per_message(proc: InputProcessor) -> None:

@@ -9,10 +9,11 @@ import threading
 import pytest
 
 import engine.engine
-import service.bridge
+import service.engine_thread
 from engine import EngineConfig, LLMEngine
 from engine.processor import InputProcessor
 from service.bridge import EngineBridge
+from engine import SamplingParams
 from service.handle import GenerateRequest, RequestError, RequestHandle
 
 MAX_LEN = 256
@@ -34,7 +35,7 @@ class RecordingProcessor(InputProcessor):
 @pytest.fixture
 async def bridge(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(engine.engine, "InputProcessor", RecordingProcessor)
-    monkeypatch.setattr(service.bridge, "InputProcessor", RecordingProcessor)
+    monkeypatch.setattr(service.engine_thread, "InputProcessor", RecordingProcessor)
     b = EngineBridge(lambda: LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
                                                     max_model_len=MAX_LEN)), max_queued=16)
     b.start()
@@ -61,9 +62,9 @@ async def _finish(b: EngineBridge, req: GenerateRequest, abort_at_once: bool = F
 
 async def test_the_engine_thread_never_tokenizes(bridge: EngineBridge) -> None:
     chat = await _finish(bridge, GenerateRequest(prompt=[{"role": "user", "content": "hi"}], chat=True,
-                                                 sampling={"ignore_eos": True}, max_tokens=3))
-    text = await _finish(bridge, GenerateRequest(prompt="once upon", chat=False, sampling={"ignore_eos": True},
-                                                 max_tokens=3))
+                                                 params=SamplingParams(ignore_eos=True, max_tokens=3)))
+    text = await _finish(bridge, GenerateRequest(prompt="once upon", chat=False,
+                                                 params=SamplingParams(ignore_eos=True, max_tokens=3)))
     assert chat.finish_reason == text.finish_reason == "length" and chat.completion_tokens == 3
     kinds = {kind for kind, _ in RecordingProcessor.calls}
     threads = {name for _, name in RecordingProcessor.calls}
@@ -72,7 +73,7 @@ async def test_the_engine_thread_never_tokenizes(bridge: EngineBridge) -> None:
 
 async def test_abort_while_tokenizing_never_reaches_the_engine(bridge: EngineBridge) -> None:
     steps = bridge.stats.get("num_steps", 0)
-    handle = await _finish(bridge, GenerateRequest(prompt="a" * 1000, chat=False, sampling={}, max_tokens=50),
+    handle = await _finish(bridge, GenerateRequest(prompt="a" * 1000, chat=False, params=SamplingParams(max_tokens=50)),
                            abort_at_once=True)
     assert handle.finish_reason == "abort" and handle.completion_tokens == 0
     assert handle.prompt_tokens == 0  # started, as far as a client can tell: `done` always follows `start`
@@ -81,7 +82,7 @@ async def test_abort_while_tokenizing_never_reaches_the_engine(bridge: EngineBri
 
 async def test_checks_that_need_the_token_count(bridge: EngineBridge) -> None:
     def req(prompt, max_tokens=None, fit=True):
-        return GenerateRequest(prompt=prompt, chat=False, sampling={}, max_tokens=max_tokens, fit_max_tokens=fit)
+        return GenerateRequest(prompt=prompt, chat=False, params=SamplingParams(max_tokens=max_tokens), fit_max_tokens=fit)
 
     with pytest.raises(RequestError) as e:  # known without the tokenizer: refused at once
         bridge.submit(req(list(range(3, 3 + MAX_LEN))), lambda: None)

@@ -1,0 +1,215 @@
+"""The engine thread: the one thread that builds and touches the `LLMEngine` (docs/architecture.md §5).
+
+The event loop sends it typed commands (`Add`, `Abort`, `Stop`) through a queue; it answers through a
+`Listener` whose methods it schedules on the loop: `ready` once, then one `step` per engine step that
+produced anything, or `fatal` once if it dies. The engine is the one registry of what runs here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine import LLMEngine, PromptTooLongError, RequestOutput, SamplingParams, StepError
+from engine.processor import InputProcessor
+from service.handle import TokenLogprobs
+from service.protocol import ErrorCode
+
+log = logging.getLogger("sluice.bridge")
+
+MAX_CONSECUTIVE_FAILURES = 3  # unexpected step exceptions in a row before the engine is declared dead
+
+
+# ---- loop -> engine thread ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    fit_max_tokens: bool  # False: a max_tokens the prompt leaves no room for is refused, not capped
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Command = Add | Abort | Stop
+
+
+# ---- engine thread -> loop ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One RequestOutput, made loop-safe: token strings of logprobs are decoded on the engine thread."""
+    request_id: str
+    num_new_tokens: int
+    text: str
+    finish_reason: str | None  # the engine's: "stop" | "length" | "abort"; None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step_start: float
+    deliveries: list[Delivery]
+    failures: list[Failure]
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReady:
+    model_name: str
+    max_model_len: int
+    stats: dict[str, Any]
+    processor: InputProcessor  # for the tokenizer thread, which uses it alone from now on
+
+
+class Listener(Protocol):
+    """The loop side. Its methods run on the event loop, never on the engine thread."""
+
+    def on_ready(self, ready: EngineReady) -> None: ...
+    def on_step(self, result: StepResult) -> None: ...
+    def on_fatal(self, message: str) -> None: ...
+
+
+class EngineThread:
+    def __init__(self, factory: Callable[[], LLMEngine], listener: Listener, loop: asyncio.AbstractEventLoop,
+                 pinned_system_prompts: Sequence[str] = ()) -> None:
+        self._factory = factory
+        self._listener = listener
+        self._loop = loop
+        self._pinned = list(pinned_system_prompts)
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._failures = 0  # unexpected step exceptions in a row
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, command: Command) -> None:
+        self._inbox.put(command)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    # ---- on the engine thread -------------------------------------------------------------
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        """To the loop. A closed loop means the server is gone: the thread just ends."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            raise SystemExit from None
+
+    def _run(self) -> None:
+        try:
+            try:
+                engine = self._factory()
+            except OSError as e:  # the model directory is missing or unreadable; the message says which and why
+                log.error("cannot load the model: %s", e)
+                self._post(self._listener.on_fatal, f"cannot load the model: {e}")
+                return
+            for text in self._pinned:
+                n = engine.pin_prefix(engine.processor.system_prefix_ids(text))
+                log.info("pinned a system prompt prefix of %d tokens", n)
+            processor = InputProcessor(engine.model_dir, engine.model_config.vocab_size, engine.max_model_len)
+            self._post(self._listener.on_ready,
+                       EngineReady(engine.model_name, engine.max_model_len, engine.stats(), processor))
+            while self._iteration(engine):
+                pass
+        except SystemExit:
+            pass
+        except BaseException as e:  # NOTE: the thread must never die silently
+            log.exception("engine thread crashed")
+            try:
+                self._post(self._listener.on_fatal, f"engine failed: {type(e).__name__}: {e}")
+            except SystemExit:
+                pass
+
+    def _iteration(self, engine: LLMEngine) -> bool:
+        """Take the inbox, run one step, post its results. False once told to stop."""
+        commands = [self._inbox.get()] if not engine.has_unfinished() else []  # idle: sleep until there is work
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        failures: list[Failure] = []
+        for command in commands:
+            match command:
+                case Stop():
+                    return False
+                case Add(request_id=rid):
+                    if (failure := self._admit(engine, command)) is not None:
+                        failures.append(failure)
+                case Abort(request_id=rid):
+                    engine.abort(rid)  # a no-op for a request that already finished
+        step_start = time.monotonic()
+        outputs = self._step(engine, failures) if engine.has_unfinished() else []
+        deliveries = [_delivery(engine, o) for o in outputs]
+        if deliveries or failures:
+            self._post(self._listener.on_step, StepResult(step_start, deliveries, failures, engine.stats()))
+        return True
+
+    def _step(self, engine: LLMEngine, failures: list[Failure]) -> list[RequestOutput]:
+        try:
+            outputs = engine.step()
+            self._failures = 0
+            return outputs
+        except StepError as e:  # the engine dropped exactly these requests; aborts it held come next step
+            log.warning("step failed for requests %s: %s", e.request_ids, e)
+            failures.extend(Failure(rid, "internal", "the model failed while computing this request")
+                            for rid in e.request_ids)
+            return []
+        except Exception as e:
+            self._failures += 1
+            request_ids = list(engine.requests)
+            log.exception("engine step failed (%d in a row); failing all %d requests", self._failures,
+                          len(request_ids))
+            if self._failures >= MAX_CONSECUTIVE_FAILURES:
+                raise
+            for rid in request_ids:
+                try:
+                    engine.abort(rid)
+                except Exception:
+                    log.exception("abort of request %s failed", rid)
+            failures.extend(Failure(rid, "internal", f"engine step failed: {type(e).__name__}") for rid in request_ids)
+            return []
+
+    @staticmethod
+    def _admit(engine: LLMEngine, add: Add) -> Failure | None:
+        """The engine decides whether a request is valid; its exceptions become protocol errors here."""
+        try:
+            engine.add_request(add.request_id, add.prompt_ids, add.params, fit_max_tokens=add.fit_max_tokens)
+        except PromptTooLongError as e:
+            return Failure(add.request_id, "prompt_too_long", str(e))
+        except ValueError as e:
+            return Failure(add.request_id, "invalid_message", str(e))
+        return None
+
+
+def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:
+    lps = None
+    if o.logprobs:  # present only when the request asked for them
+        dec = engine.tokenizer.decode
+        lps = [(dec([lp.token_id]), lp.logprob, [(dec([t]), v) for t, v in lp.top]) for lp in o.logprobs]
+    return Delivery(o.request_id, len(o.new_token_ids), o.text_delta, o.finish_reason if o.finished else None,
+                    o.num_prompt_tokens, o.num_cached_tokens, lps)

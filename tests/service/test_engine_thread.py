@@ -1,0 +1,139 @@
+"""The engine thread (service/engine_thread.py) on its own: typed commands in, results scheduled on the loop, over a
+real tiny engine. The listener records what reaches the loop; faults come from swapping the engine's runner."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine_thread import (
+    MAX_CONSECUTIVE_FAILURES, Abort, Add, EngineReady, EngineThread, Failure, StepResult, Stop,
+)
+
+MAX_LEN = 256
+LONG = SamplingParams(max_tokens=MAX_LEN - 16, temperature=0.0, ignore_eos=True)  # hundreds of steps by construction
+
+
+class Recorder:
+    """The loop side: every call lands here, on the loop, in order."""
+
+    def __init__(self) -> None:
+        self.ready: EngineReady | None = None
+        self.steps: list[StepResult] = []
+        self.fatal: str | None = None
+        self.changed = asyncio.Event()
+
+    def on_ready(self, ready: EngineReady) -> None:
+        self.ready = ready
+        self.changed.set()
+
+    def on_step(self, result: StepResult) -> None:
+        self.steps.append(result)
+        self.changed.set()
+
+    def on_fatal(self, message: str) -> None:
+        self.fatal = message
+        self.changed.set()
+
+    def finished(self) -> dict[str, str]:
+        return {d.request_id: d.finish_reason for s in self.steps for d in s.deliveries if d.finish_reason}
+
+    def failures(self) -> dict[str, Failure]:
+        return {f.request_id: f for s in self.steps for f in s.failures}
+
+    async def until(self, condition, timeout: float = 60.0) -> None:
+        async def wait() -> None:
+            while not condition():
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(wait(), timeout)
+
+
+@pytest.fixture
+async def started(tiny_model_dir):
+    engines: list[LLMEngine] = []
+
+    def factory() -> LLMEngine:
+        engines.append(LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                              max_model_len=MAX_LEN)))
+        return engines[0]
+
+    recorder = Recorder()
+    thread = EngineThread(factory, recorder, asyncio.get_running_loop())
+    thread.start()
+    await recorder.until(lambda: recorder.ready is not None or recorder.fatal is not None)
+    assert recorder.ready is not None and recorder.ready.max_model_len == MAX_LEN
+    yield thread, recorder, engines[0]
+    thread.send(Stop())
+    await asyncio.get_running_loop().run_in_executor(None, thread.join, 10)
+
+
+def _ids(n: int, base: int = 3) -> list[int]:
+    return [base + i % 500 for i in range(n)]
+
+
+async def test_add_runs_to_the_end_and_abort_stops_a_running_request(started) -> None:
+    thread, rec, eng = started
+    thread.send(Add("short", _ids(8), SamplingParams(max_tokens=4, ignore_eos=True), fit_max_tokens=True))
+    thread.send(Add("long", _ids(8, 100), LONG, fit_max_tokens=True))
+    await rec.until(lambda: "short" in rec.finished())
+    assert rec.finished()["short"] == "length" and "long" not in rec.finished()
+    thread.send(Abort("long"))
+    thread.send(Abort("nobody"))  # unknown (or already finished) ids are a no-op
+    await rec.until(lambda: "long" in rec.finished())
+    assert rec.finished()["long"] == "abort" and not rec.failures()
+    await rec.until(lambda: rec.steps[-1].stats["num_running"] == 0)
+    assert not eng.requests  # the engine is the one registry: nothing is left behind
+
+
+async def test_the_engine_decides_admission(started) -> None:
+    thread, rec, _ = started
+    thread.send(Add("strict", _ids(100), SamplingParams(max_tokens=MAX_LEN), fit_max_tokens=False))
+    thread.send(Add("capped", _ids(MAX_LEN - 2), SamplingParams(max_tokens=50, ignore_eos=True), fit_max_tokens=True))
+    thread.send(Add("rest", _ids(MAX_LEN - 5), SamplingParams(max_tokens=None, ignore_eos=True), fit_max_tokens=True))
+    thread.send(Add("bad-id", [10**6], SamplingParams(), fit_max_tokens=True))
+    await rec.until(lambda: {"capped", "rest"} <= set(rec.finished()) and {"strict", "bad-id"} <= set(rec.failures()))
+    strict, bad = rec.failures()["strict"], rec.failures()["bad-id"]
+    assert strict.code == "prompt_too_long" and "at most 156 fit" in strict.message
+    assert bad.code == "invalid_message"
+    tokens = {d.request_id: 0 for s in rec.steps for d in s.deliveries}
+    for s in rec.steps:
+        for d in s.deliveries:
+            tokens[d.request_id] += d.num_new_tokens
+    assert (tokens["capped"], tokens["rest"]) == (2, 5)  # capped to, and resolved as, the room the prompt leaves
+
+
+async def test_a_failed_step_fails_its_requests_and_later_ones_are_served(started) -> None:
+    thread, rec, eng = started
+    run = eng.runner.run
+    fail = {"on": True}
+
+    def run_or_fail(batch, samples):
+        if fail["on"]:
+            raise RuntimeError("injected fault")
+        return run(batch, samples)
+
+    eng.runner.run = run_or_fail
+    thread.send(Add("victim", _ids(8), SamplingParams(max_tokens=4), fit_max_tokens=True))
+    await rec.until(lambda: "victim" in rec.failures())
+    assert rec.failures()["victim"].code == "internal" and rec.fatal is None
+    fail["on"] = False
+    thread.send(Add("after", _ids(8, 200), SamplingParams(max_tokens=4, ignore_eos=True), fit_max_tokens=True))
+    await rec.until(lambda: "after" in rec.finished())
+    assert rec.finished()["after"] == "length"
+
+
+async def test_repeated_unexpected_failures_end_the_thread_as_fatal(started) -> None:
+    thread, rec, eng = started
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("scheduler broken")
+
+    eng.scheduler.schedule = broken  # not a model failure: nothing the engine can attribute to a request
+    for i in range(MAX_CONSECUTIVE_FAILURES):
+        thread.send(Add(f"r{i}", _ids(8, 10 * i), SamplingParams(max_tokens=4), fit_max_tokens=True))
+        await rec.until(lambda i=i: f"r{i}" in rec.failures() or rec.fatal is not None)
+    await rec.until(lambda: rec.fatal is not None)
+    assert "scheduler broken" in rec.fatal
+    assert all(f.code == "internal" for f in rec.failures().values())
