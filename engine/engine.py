@@ -9,6 +9,8 @@ import itertools
 import logging
 from pathlib import Path
 
+import torch
+
 import kernels
 from engine import loader
 from engine.block_manager import BlockManager
@@ -113,16 +115,11 @@ class LLMEngine:
         if not batch:
             return outputs
         samples = batch.samples()
+        rng = self._rng_state(batch)
         try:
             tokens, logprobs = self.runner.run(batch, samples)
-        except Exception as e:  # the model failed: fail only this step's requests, keep serving
-            ids = [r.request_id for r in batch.reqs]
-            log.exception("step failed; aborting requests %s", ids)
-            for r in batch.reqs:
-                self.requests.pop(r.request_id, None)
-                self.scheduler.finish(r, "abort")
-            self._aborted = outputs + self._aborted  # earlier aborts are still reported next step
-            raise StepError(ids, e) from e
+        except Exception as e:  # the model failed: find whose computation fails, fail only those, keep serving
+            tokens, logprobs = self._recover(batch, samples, rng, e, outputs)
         self._count_prompt_tokens(batch)
         self.scheduler.postprocess(batch)
         self.num_steps += 1
@@ -135,6 +132,60 @@ class LLMEngine:
                 outputs.append(self._output(req, [], "", None))
             req.announced = True
         return outputs
+
+    # -- when the model fails ----------------------------------------------------------------
+    # Nothing of a step is kept until `scheduler.postprocess` commits it: a request the failed step held still
+    # has its last committed state (computed tokens, blocks, outputs), so re-running it is safe. Only the
+    # random generators move during a run; they are put back before every retry and probe, so requests that
+    # are not to blame sample exactly what they would have without the failure.
+
+    def _rng_state(self, batch: Batch) -> list[tuple[torch.Generator, torch.Tensor]]:
+        gens = [self.runner.sampler.generator, *(r.generator for r in batch.reqs if r.generator is not None)]
+        return [(g, g.get_state()) for g in gens]
+
+    def _recover(self, batch: Batch, samples: list[bool], rng: list[tuple[torch.Generator, torch.Tensor]],
+                 error: Exception, outputs: list[RequestOutput]) -> tuple[list[int], list]:
+        """The step failed. Retry it once (a transient failure: the retry's result stands); else run its requests
+        in halves, outputs discarded, down to those that fail alone, and drop only them (`StepError`). The rest
+        are not committed and run again from the next step. If no request fails alone, all of them are dropped."""
+        ids = [r.request_id for r in batch.reqs]
+        log.warning("step failed (%s: %s); retrying its %d requests", type(error).__name__, error, len(ids))
+        for g, state in rng:
+            g.set_state(state)
+        try:
+            return self.runner.run(batch, samples)
+        except Exception:
+            pass
+        culprits = self._culprits(batch, samples, list(range(len(batch))), rng) or list(batch.reqs)  # together: all
+        for g, state in rng:
+            g.set_state(state)
+        bad = [r.request_id for r in culprits]
+        log.error("step failed for requests %s (of %s); aborting them", bad, ids, exc_info=error)
+        for r in culprits:
+            self.requests.pop(r.request_id, None)
+            self.scheduler.finish(r, "abort")
+        self._aborted = outputs + self._aborted  # aborts taken for this step are reported by the next one
+        raise StepError(bad, error) from error
+
+    def _culprits(self, batch: Batch, samples: list[bool], rows: list[int],
+                  rng: list[tuple[torch.Generator, torch.Tensor]]) -> list[Request]:
+        """The requests among `rows` (which fail together) whose computation fails alone, found by halving."""
+        found: list[Request] = []
+        for half in (rows[: len(rows) // 2], rows[len(rows) // 2 :]):
+            if not half:
+                continue
+            probe = Batch()
+            for i in half:
+                probe.add(batch.reqs[i], batch.num_new_tokens[i])
+            for g, state in rng:
+                g.set_state(state)
+            try:
+                self.runner.run(probe, [samples[i] for i in half])
+            except Exception:
+                # NOTE: a part that fails while none of its halves does is blamed whole: every failure drops someone
+                inner = self._culprits(batch, samples, half, rng) if len(half) > 1 else []
+                found += inner or [batch.reqs[i] for i in half]
+        return found
 
     def _count_prompt_tokens(self, batch: Batch) -> None:
         for r, n in zip(batch.reqs, batch.num_new_tokens):

@@ -199,28 +199,109 @@ def test_abort_unknown_id_is_harmless(eng):
 # -- a failing model ----------------------------------------------------------------------------
 
 
-def test_a_model_failure_aborts_exactly_that_steps_requests(eng, monkeypatch):
+def test_a_transient_model_failure_is_retried_and_the_retry_stands(eng, monkeypatch):
     """Faults come through a seam (the runner, here), never through a flag the engine checks every step."""
     p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    for i in range(5):  # max_num_seqs=4: the last one waits, outside the failing step
-        eng.add_request(f"f{i}", prompt(10), p)
+    prompts = [prompt(10) for _ in range(3)]
+    clean = [c.token_ids for c in eng.generate(prompts, p)]
     real_run, calls = eng.runner.run, []
 
     def fail_once(batch, samples):
         calls.append([r.request_id for r in batch.reqs])
         if len(calls) == 1:
-            raise RuntimeError("the model failed")
+            raise RuntimeError("the model failed, once")
         return real_run(batch, samples)
 
     monkeypatch.setattr(eng.runner, "run", fail_once)
-    with pytest.raises(StepError) as info:
-        eng.step()
-    assert sorted(info.value.request_ids) == ["f0", "f1", "f2", "f3"] == sorted(calls[0])
-    assert isinstance(info.value.cause, RuntimeError)
-    assert set(eng.requests) == {"f4"}
+    again = eng.generate(prompts, p)
+    assert [c.token_ids for c in again] == clean and all(c.finish_reason == "length" for c in again)
+    assert calls[0] == calls[1]  # the same step, run again
+
+
+@pytest.fixture(scope="module")
+def isolated(tiny_model_dir):
+    """Fresh engines for fault isolation: no prefix cache, so a clean run and a faulty one compute the same."""
+    def make() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128,
+                                      max_model_len=MAX_LEN, max_num_batched_tokens=32, max_num_seqs=8,
+                                      enable_prefix_caching=False))
+    return make
+
+
+def _bystanders() -> list[tuple[str, list[int], SamplingParams]]:
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    return [(f"g{i}", prompt(9 + 5 * i), greedy) for i in range(4)] + [
+        (f"s{i}", prompt(20), SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True))
+        for i in range(2)]
+
+
+def _run_to_end(eng: LLMEngine) -> tuple[dict[str, list[int]], list[StepError]]:
+    tokens: dict[str, list[int]] = {}
+    errors: list[StepError] = []
+    for _ in range(500):
+        if not eng.has_unfinished():
+            return tokens, errors
+        try:
+            outs = eng.step()
+        except StepError as e:
+            errors.append(e)
+            continue
+        for o in outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    raise AssertionError("engine did not drain")
+
+
+def test_a_failing_request_is_isolated_and_bystanders_match_a_clean_run(isolated):
+    """One request whose computation fails (from its third token on) is found by halving the failed step and
+    aborted alone; the others, greedy and seeded, produce exactly what they produce without it."""
+    bystanders = _bystanders()
+    clean_eng = isolated()
+    for rid, ids, p in bystanders:
+        clean_eng.add_request(rid, ids, p)
+    clean, errors = _run_to_end(clean_eng)
+    assert not errors and all(len(t) == 12 for t in clean.values())
+
+    eng = isolated()
+    real_run, probes = eng.runner.run, []
+
+    def run_or_fail(batch, samples):
+        bad = next((r for r in batch.reqs if r.request_id == "bad"), None)
+        probes.append(len(batch))
+        if bad is not None and bad.num_output_tokens >= 2:
+            raise RuntimeError("this request's computation fails")
+        return real_run(batch, samples)
+
+    eng.runner.run = run_or_fail
+    requests = list(bystanders)
+    requests.insert(3, ("bad", prompt(15), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    for rid, ids, p in requests:
+        eng.add_request(rid, ids, p)
+    tokens, errors = _run_to_end(eng)
+    assert [e.request_ids for e in errors] == [["bad"]]
+    assert len(tokens["bad"]) == 2
+    assert {rid: t for rid, t in tokens.items() if rid != "bad"} == clean  # identical, seeded ones included
+    assert eng.stats()["num_free_kv_blocks"] == eng.stats()["num_kv_blocks"]
     eng.check_integrity()
-    outs = drain(eng)  # the failed requests are not reported again; the waiting one runs
-    assert {o.request_id for o in outs} == {"f4"} and outs[-1].finish_reason == "length"
+
+
+def test_requests_that_fail_only_together_are_all_aborted(isolated):
+    """No request fails alone: every request of the failed step is dropped (each failure drops someone)."""
+    eng = isolated()
+    real_run = eng.runner.run
+
+    def fails_with_two(batch, samples):
+        if {"a", "b"} <= {r.request_id for r in batch.reqs}:
+            raise RuntimeError("a and b break each other")
+        return real_run(batch, samples)
+
+    eng.runner.run = fails_with_two
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for rid in ("a", "b"):
+        eng.add_request(rid, prompt(8), p)
+    tokens, errors = _run_to_end(eng)
+    assert [sorted(e.request_ids) for e in errors] == [["a", "b"]] and not tokens
+    eng.check_integrity()
+    assert eng.stats()["num_free_kv_blocks"] == eng.stats()["num_kv_blocks"]
 
 
 # -- stats ----------------------------------------------------------------------------------------

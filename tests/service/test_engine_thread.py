@@ -104,21 +104,22 @@ async def test_the_engine_decides_admission(started) -> None:
     assert (tokens["capped"], tokens["rest"]) == (2, 5)  # capped to, and resolved as, the room the prompt leaves
 
 
-async def test_a_failed_step_fails_its_requests_and_later_ones_are_served(started) -> None:
+async def test_a_failing_request_fails_alone_and_its_bystanders_run_on(started) -> None:
     thread, rec, eng = started
     run = eng.runner.run
-    fail = {"on": True}
 
     def run_or_fail(batch, samples):
-        if fail["on"]:
+        if any(r.request_id == "victim" for r in batch.reqs):
             raise RuntimeError("injected fault")
         return run(batch, samples)
 
     eng.runner.run = run_or_fail
+    for i in range(4):
+        thread.send(Add(f"by{i}", _ids(8, 50 * i), SamplingParams(max_tokens=6, ignore_eos=True), fit_max_tokens=True))
     thread.send(Add("victim", _ids(8), SamplingParams(max_tokens=4), fit_max_tokens=True))
-    await rec.until(lambda: "victim" in rec.failures())
-    assert rec.failures()["victim"].code == "internal" and rec.fatal is None
-    fail["on"] = False
+    await rec.until(lambda: "victim" in rec.failures() and len(rec.finished()) == 4)
+    assert rec.failures()["victim"].code == "internal" and set(rec.failures()) == {"victim"} and rec.fatal is None
+    assert set(rec.finished().values()) == {"length"}  # every bystander ran to its end
     thread.send(Add("after", _ids(8, 200), SamplingParams(max_tokens=4, ignore_eos=True), fit_max_tokens=True))
     await rec.until(lambda: "after" in rec.finished())
     assert rec.finished()["after"] == "length"
