@@ -111,6 +111,17 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        try:
+            return self._step(outputs)
+        except StepError:
+            raise  # `_recover` kept the outputs already
+        except BaseException:
+            # NOTE: aborts taken before the failure, and outputs made before it, are reported by the next step:
+            # their requests have left `self.requests`, so nobody else would ever report them
+            self._aborted = outputs + self._aborted
+            raise
+
+    def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs

@@ -21,17 +21,22 @@ def check_readable(model_dir: str | Path) -> None:
     d = Path(model_dir)
     uid = os.geteuid() if hasattr(os, "geteuid") else "?"
     try:
-        exists = d.exists()
+        os.stat(d)
     except PermissionError:
         raise PermissionError(f"model directory {d} cannot be reached by this process (uid {uid}): a directory "
                               f"above it is not searchable; `chmod a+x` on that directory") from None
-    if not exists:
-        raise FileNotFoundError(f"model directory {d} does not exist")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"model directory {d} does not exist") from None
     if not d.is_dir():
         raise NotADirectoryError(f"model path {d} is not a directory")
     paths = [d]
     if os.access(d, os.R_OK | os.X_OK):
-        paths += sorted(p for p in d.iterdir() if p.is_file())
+        entries = sorted(d.iterdir())
+        dangling = [p.name for p in entries if p.is_symlink() and not p.exists()]
+        if dangling:
+            raise FileNotFoundError(f"model directory {d}: {', '.join(dangling[:3])} link to files that do not exist "
+                                    "(an incomplete download or copy?)")
+        paths += [p for p in entries if p.is_file()]
     unreadable = [p for p in paths if not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0))]
     if unreadable:
         def who(p: Path) -> str:

@@ -130,19 +130,10 @@ def write_model(out_dir: str | Path, config: dict[str, Any], seed: int = 0, dtyp
         save_file(random_weights(cfg, seed, dtype, progress=False), str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         bar.update()
-    _default_permissions(out)
-    return out
-
-
-def _default_permissions(out: Path) -> None:
-    """What plain file creation would give under the umask (usually 0644/0755): safetensors writes 0600 and
-    mkdtemp makes 0700, so a copy into a Docker bind mount would be unreadable by the container's user."""
-    umask = os.umask(0)
-    os.umask(umask)
-    out.chmod(0o777 & ~umask)
-    for f in out.iterdir():
+    for f in out.iterdir():  # NOTE: safetensors writes 0600; a copy into a Docker bind mount must stay readable
         if f.is_file():
-            f.chmod(0o666 & ~umask)
+            f.chmod(0o644)
+    return out
 
 
 def build(preset: str, out_dir: str | Path, seed: int = 0, progress: bool = True) -> Path:
@@ -160,6 +151,7 @@ def default_model_dir(preset: str = "tiny") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         build(preset, tmp, progress=os.environ.get("SLUICE_QUIET") is None)
+        tmp.chmod(0o755)  # mkdtemp made it 0700
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical

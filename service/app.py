@@ -6,7 +6,6 @@ Every handler shares one `service.state.Service`; its lifespan starts the engine
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import sysconfig
 from collections.abc import Callable
@@ -36,7 +35,7 @@ def web_dir_candidates() -> list[Path]:
     data-files went (`pip install .`, the Docker image), under this interpreter's install scheme or the
     user scheme (`pip install --user`)."""
     dirs = [Path(__file__).resolve().parent.parent / "web"]
-    schemes = [sysconfig.get_default_scheme()] + ([f"{os.name}_user"] if f"{os.name}_user" in sysconfig.get_scheme_names() else [])
+    schemes = [sysconfig.get_default_scheme(), sysconfig.get_preferred_scheme("user")]
     for data in [sysconfig.get_path("data", s) for s in schemes] + [sys.prefix]:
         d = Path(data) / "share" / "sluice" / "web"
         if d not in dirs:

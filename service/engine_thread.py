@@ -1,4 +1,4 @@
-"""The engine thread: the one thread that builds and touches the `LLMEngine` (docs/architecture.md §5).
+"""The engine thread: the one thread that builds and touches the `LLMEngine` (docs/architecture.md §1).
 
 The event loop sends it typed commands (`Add`, `Abort`, `Stop`) through a queue; it answers through a
 `Listener` whose methods it schedules on the loop: `ready` once, then one `step` per engine step that
@@ -20,7 +20,7 @@ from engine.processor import InputProcessor
 from service.handle import TokenLogprobs
 from service.protocol import ErrorCode
 
-log = logging.getLogger("sluice.bridge")
+log = logging.getLogger("sluice.engine_thread")
 
 MAX_CONSECUTIVE_FAILURES = 3  # unexpected step exceptions in a row before the engine is declared dead
 
@@ -157,7 +157,7 @@ class EngineThread:
             match command:
                 case Stop():
                     return False
-                case Add(request_id=rid):
+                case Add():
                     if (failure := self._admit(engine, command)) is not None:
                         failures.append(failure)
                 case Abort(request_id=rid):
@@ -203,6 +203,9 @@ class EngineThread:
             return Failure(add.request_id, "prompt_too_long", str(e))
         except ValueError as e:
             return Failure(add.request_id, "invalid_message", str(e))
+        except Exception as e:  # ours, not the client's: this request fails, nothing else is disturbed
+            log.exception("request %s: admission failed", add.request_id)
+            return Failure(add.request_id, "internal", f"the engine failed to admit this request: {type(e).__name__}")
         return None
 
 

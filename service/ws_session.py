@@ -113,6 +113,7 @@ class Session:
         try:
             params = sampling_params(max_tokens=msg.max_tokens, **msg.sampling_kwargs())
             request = GenerateRequest(prompt=msg.messages, chat=True, params=params, api="ws")
+            # NOTE: the bridge never notifies inside `submit`, so the chat is registered below before its first mark
             handle = self.svc.bridge.submit(request, lambda: self._mark(msg.id))
         except RequestError as e:
             self.error(e.code, e.message, msg.id)
@@ -163,9 +164,8 @@ class Session:
                 self.svc.metrics.observe_error(h.error.code)
                 frames.append(Error(code=h.error.code, message=h.error.message, id=chat.id))
             else:
-                assert h.finish_reason is not None
                 q, ttft, total = h.timing_ms()
-                frames.append(Done(id=chat.id, finish_reason=FINISH_REASON[h.finish_reason],
+                frames.append(Done(id=chat.id, finish_reason=FINISH_REASON.get(h.finish_reason or "", "stop"),
                                    usage=Usage(prompt_tokens=h.prompt_tokens or 0,
                                                completion_tokens=h.completion_tokens, cached_tokens=h.cached_tokens),
                                    timing=Timing(queue_ms=round(q, 3), ttft_ms=None if ttft is None else round(ttft, 3),

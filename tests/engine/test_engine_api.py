@@ -218,6 +218,28 @@ def test_a_transient_model_failure_is_retried_and_the_retry_stands(eng, monkeypa
     assert calls[0] == calls[1]  # the same step, run again
 
 
+def test_a_failure_outside_the_model_loses_no_pending_abort(eng, monkeypatch):
+    """Aborts taken before a step that fails anywhere (here: the scheduler) are reported by the next step."""
+    p = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    eng.add_request("kept", prompt(10), p)
+    eng.add_request("gone", prompt(10), p)
+    eng.step()
+    eng.abort("gone")
+    real = eng.scheduler.schedule
+
+    def broken():
+        raise RuntimeError("scheduler broken")
+
+    monkeypatch.setattr(eng.scheduler, "schedule", broken)
+    with pytest.raises(RuntimeError):
+        eng.step()
+    monkeypatch.setattr(eng.scheduler, "schedule", real)
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [("gone", "abort")]
+    eng.abort("kept")
+    drain(eng)
+
+
 @pytest.fixture(scope="module")
 def isolated(tiny_model_dir):
     """Fresh engines for fault isolation: no prefix cache, so a clean run and a faulty one compute the same."""

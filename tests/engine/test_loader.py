@@ -148,14 +148,23 @@ def test_missing_directory_is_named(tmp_path):
         load_model_config(tmp_path / "nope")
 
 
+def test_a_link_to_a_missing_file_is_named(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    (model_copy / "model.safetensors").symlink_to(model_copy / "blobs" / "abc123")  # an HF cache snapshot, half there
+    with pytest.raises(FileNotFoundError, match="model.safetensors link to files that do not exist"):
+        load_model_config(model_copy)
+
+
 def test_written_model_is_readable_by_others(tmp_path):
     """safetensors writes 0600 and mkdtemp 0700; a model copied into a Docker bind mount must be readable."""
     from engine.tiny import build
 
-    umask = os.umask(0o022)
-    try:
-        out = build("tiny", tmp_path / "m", progress=False)
-    finally:
-        os.umask(umask)
-    assert out.stat().st_mode & 0o777 == 0o755
+    out = build("tiny", tmp_path / "m", progress=False)
     assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {f.name: 0o644 for f in out.iterdir()}
+
+
+def test_the_embedded_model_directory_is_readable_by_others(tmp_path, monkeypatch):
+    from engine.tiny import default_model_dir
+
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    assert default_model_dir().stat().st_mode & 0o777 == 0o755  # built in a mkdtemp directory, which is 0700

@@ -14,6 +14,7 @@ arguments SLUICE_TEST_BUILD_ARGS ("NAME=value NAME=value", e.g. PIP_TRUSTED_HOST
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shlex
@@ -42,23 +43,25 @@ def _docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def _why_not() -> str | None:
+@functools.cache
+def _why_not(engine: bool = True) -> str | None:
+    """Why these tests cannot run here (None: they can). Asked when the first test runs, never at collection."""
     if shutil.which("docker") is None:
         return "no `docker` command on this machine"
     try:
-        info = _docker("info", "--format", "{{.ServerVersion}}", timeout=20)
-        compose = _docker("compose", "version", "--short", timeout=20)
+        if _docker("compose", "version", "--short", timeout=20).returncode != 0:
+            return "no Compose v2 (`docker compose`) plugin"
+        if engine and (info := _docker("info", "--format", "{{.ServerVersion}}", timeout=20)).returncode != 0:
+            return f"no Docker engine reachable: {(info.stderr or info.stdout).strip().splitlines()[-1:]}"
     except subprocess.TimeoutExpired:
-        return "the Docker engine does not answer"
-    if info.returncode != 0:
-        return f"no Docker engine reachable: {(info.stderr or info.stdout).strip().splitlines()[-1:]}"
-    if compose.returncode != 0:
-        return "no Compose v2 (`docker compose`) plugin"
+        return "the Docker CLI or engine does not answer"
     return None
 
 
-WHY_NOT = _why_not()
-needs_docker = pytest.mark.skipif(WHY_NOT is not None, reason=f"compose smoke test: {WHY_NOT}")
+@pytest.fixture(scope="module")
+def docker_engine() -> None:
+    if (why := _why_not()) is not None:
+        pytest.skip(f"compose smoke test: {why}")
 
 
 @dataclass
@@ -97,7 +100,7 @@ def _unreadable_model(models: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(docker_engine: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     models = tmp_path_factory.mktemp("models")
     models.chmod(0o755)
     _unreadable_model(models)
@@ -126,7 +129,6 @@ def _chat(ws_url: str, n: int) -> dict[str, list[dict]]:
     return asyncio.run(run())
 
 
-@needs_docker
 def test_healthy_on_loopback_only_as_an_unprivileged_user(stack: Stack) -> None:
     c = stack.container()
     assert c["State"]["Health"]["Status"] == "healthy"
@@ -139,7 +141,6 @@ def test_healthy_on_loopback_only_as_an_unprivileged_user(stack: Stack) -> None:
     assert "/site-packages/service/" in where and "/share/sluice/web" in where, where
 
 
-@needs_docker
 def test_ui_websocket_chat_openai_chat_and_metrics(stack: Stack) -> None:
     ui = httpx.get(f"{stack.url}/", timeout=30)
     assert ui.status_code == 200 and "text/html" in ui.headers["content-type"] and "<script" in ui.text
@@ -157,7 +158,6 @@ def test_ui_websocket_chat_openai_chat_and_metrics(stack: Stack) -> None:
     assert '"GET /health HTTP/1.1" 200' not in stack.logs()  # the healthcheck probes every 10 s, silently
 
 
-@needs_docker
 def test_stop_drains_chats_in_flight_exits_0_and_the_next_up_reuses_the_volume(stack: Stack) -> None:
     n = 4
 
@@ -200,7 +200,6 @@ def test_stop_drains_chats_in_flight_exits_0_and_the_next_up_reuses_the_volume(s
     assert "engine ready" in second
 
 
-@needs_docker
 def test_an_unreadable_model_fails_saying_why(stack: Stack) -> None:
     r = stack.compose("run", "--rm", "--no-deps", "sluice", timeout=300, SLUICE_MODEL="/models/unreadable")
     out = r.stdout + r.stderr
@@ -210,7 +209,6 @@ def test_an_unreadable_model_fails_saying_why(stack: Stack) -> None:
     assert "Traceback" not in out
 
 
-@needs_docker
 def test_a_missing_models_directory_is_an_error_not_created(stack: Stack, tmp_path: Path) -> None:
     missing = tmp_path / "no-such-models"
     r = stack.compose("run", "--rm", "--no-deps", "sluice", timeout=300, SLUICE_MODELS_DIR=str(missing))
@@ -218,9 +216,9 @@ def test_a_missing_models_directory_is_an_error_not_created(stack: Stack, tmp_pa
     assert not missing.exists()
 
 
-@pytest.mark.skipif(shutil.which("docker") is None or _docker("compose", "version").returncode != 0,
-                    reason="no Compose v2 (`docker compose`) here")
 def test_gpu_variant_as_compose_resolves_it() -> None:
+    if (why := _why_not(engine=False)) is not None:
+        pytest.skip(why)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
     r = subprocess.run(["docker", "compose", "-f", "compose.yaml", "-f", "compose.gpu.yaml", "config", "--format", "json"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False)

@@ -138,3 +138,25 @@ async def test_repeated_unexpected_failures_end_the_thread_as_fatal(started) -> 
     await rec.until(lambda: rec.fatal is not None)
     assert "scheduler broken" in rec.fatal
     assert all(f.code == "internal" for f in rec.failures().values())
+
+
+async def test_an_abort_taken_into_a_failing_step_still_finishes(started) -> None:
+    """A step that fails outside the model (the scheduler here) must not swallow the aborts it took."""
+    thread, rec, eng = started
+    thread.send(Add("long", _ids(8), LONG, fit_max_tokens=True))
+    thread.send(Add("other", _ids(8, 300), LONG, fit_max_tokens=True))
+    await rec.until(lambda: any(d.request_id == "long" and d.num_new_tokens for s in rec.steps for d in s.deliveries))
+    real = eng.scheduler.schedule
+    calls = {"n": 0}
+
+    def fail_once():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("scheduler broken once")
+        return real()
+
+    eng.scheduler.schedule = fail_once
+    thread.send(Abort("long"))
+    await rec.until(lambda: "long" in rec.finished() or "long" in rec.failures())
+    await rec.until(lambda: "other" in rec.finished() or "other" in rec.failures())
+    assert rec.fatal is None and not eng.requests
