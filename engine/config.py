@@ -31,6 +31,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int | None = None  # None: no per-prompt cap below the budget
     max_num_partial_prefills: int = 4
+    itl_slo_ms: float | None = None  # `mixed`: size each step's prompt tokens to keep its time (a stream's ITL) under this
     seed: int = 0
     kv_memory_fraction: float = 0.85  # CUDA: fraction of free memory after weights that holds KV
     kv_cpu_bytes: int = 512 << 20  # CPU: bytes of KV cache when num_kv_blocks is None
@@ -52,6 +53,7 @@ class EngineConfig:
             self.long_prefill_token_threshold is None or self.long_prefill_token_threshold > 0,
             f"long_prefill_token_threshold must be positive, got {self.long_prefill_token_threshold}",
         )
+        need(self.itl_slo_ms is None or self.itl_slo_ms > 0, f"itl_slo_ms must be positive, got {self.itl_slo_ms}")
         need(self.max_num_partial_prefills > 0, f"max_num_partial_prefills must be positive, got {self.max_num_partial_prefills}")
         need(0.0 < self.kv_memory_fraction <= 1.0, f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from engine.models import LlamaModel
 from engine.processor import InputProcessor
 from engine.request import CompletionOutput, PromptTooLongError, Request, RequestOutput, SamplingParams, Status
 from engine.scheduler import Batch, Scheduler
+from engine.step_cost import attention_work
 from engine.tiny import default_model_dir
 
 log = logging.getLogger("sluice.engine")
@@ -122,13 +124,18 @@ class LLMEngine:
             raise
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        started = time.perf_counter()  # a step's whole time is a running stream's inter-token latency
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
         samples = batch.samples()
+        if self.config.itl_slo_ms is not None:  # what the step-cost model needs of this step, before commit
+            chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling]  # the rest decode
+            cost_x = (len(batch) - len(chunks), sum(n for _, n in chunks),
+                      sum(attention_work(n, r.num_computed_tokens) for r, n in chunks))
         rng = self._rng_state(batch)
         try:
-            tokens, logprobs = self.runner.run(batch, samples)
+            tokens, logprobs = self.runner.run(batch, samples)  # returns host lists: the device is done
         except Exception as e:  # the model failed: find whose computation fails, fail only those, keep serving
             tokens, logprobs = self._recover(batch, samples, rng, e, outputs)
         self._count_prompt_tokens(batch)
@@ -142,6 +149,8 @@ class LLMEngine:
             elif not req.announced:  # first chunk of a long prompt: tell the caller it started
                 outputs.append(self._output(req, [], "", None))
             req.announced = True
+        if self.config.itl_slo_ms is not None:
+            self.scheduler.step_cost.observe(*cost_x, time.perf_counter() - started)
         return outputs
 
     # -- when the model fails ----------------------------------------------------------------
@@ -297,6 +306,7 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_budget": self.scheduler.prompt_budget,
             "num_steps": self.num_steps,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "generation_tokens": self.generation_tokens,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.request import Request, Status
+from engine.step_cost import StepCost
 
 
 class RequestQueue:
@@ -87,6 +88,8 @@ class Scheduler:
         # NOTE: the baselines never chunk, so their budget must fit the longest allowed prompt.
         self.whole_prompt_budget = max(config.max_num_batched_tokens, max_model_len)
         self.num_preemptions = 0
+        self.step_cost = StepCost()  # fed by the engine after every step; used with config.itl_slo_ms
+        self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -99,6 +102,11 @@ class Scheduler:
         policy = self.config.scheduling
         if policy == "mixed":
             budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens)
+            if self.config.itl_slo_ms is not None:  # the prompt tokens a step can add and still meet the target
+                budget = self.step_cost.prompt_budget(len(batch), self._next_prompt_context(),
+                                                      self.config.itl_slo_ms / 1e3,
+                                                      floor=min(budget, self.bm.block_size), cap=budget)
+            self.prompt_budget = budget
             budget = self._schedule_partial_prefills(batch, budget)
             self._admit(batch, budget, chunked=True)
         elif policy == "prefill_first":
@@ -110,6 +118,13 @@ class Scheduler:
             else:
                 self._schedule_decodes(batch, self.config.max_num_batched_tokens)
         return batch
+
+    def _next_prompt_context(self) -> int:
+        """Tokens already computed of the prompt the next chunk comes from (its attention reads them all)."""
+        for req in self.running:
+            if req.status is Status.RUNNING and req.is_prefilling:
+                return req.num_computed_tokens
+        return 0
 
     # -- building blocks -------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 ENGINE_FIELDS = (
     "model", "dtype", "device", "block_size", "num_kv_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "scheduling", "long_prefill_token_threshold",
-    "max_num_partial_prefills", "seed",
+    "max_num_partial_prefills", "itl_slo_ms", "seed",
 )
 
 
@@ -36,6 +36,7 @@ class ServerConfig:
     prefix_caching: bool = True
     long_prefill_token_threshold: int | None = None
     max_num_partial_prefills: int | None = None
+    itl_slo_ms: float | None = None
     seed: int | None = None
     pin_system_prompt: tuple[str, ...] = ()
     # HTTP / WebSocket surface
@@ -149,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse the KV cache of shared prompt prefixes (default: on)")
     e.add_argument("--long-prefill-token-threshold", type=int, help="largest prefill chunk of one prompt")
     e.add_argument("--max-num-partial-prefills", type=int, help="most prompts a step prefills (the cap counts whole prompts too)")
+    e.add_argument("--itl-slo-ms", type=float, metavar="MS",
+                   help="mixed scheduling: size each step's prompt chunks to keep running streams' inter-token "
+                        "latency under MS, from a cost model of the steps run (default: off, the fixed budget)")
     e.add_argument("--seed", type=int, help="engine RNG seed")
     e.add_argument("--pin-system-prompt", action="append", metavar="FILE",
                    help="keep the KV cache of a system prompt (file content) forever; repeatable")

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "prefix_hit_rate")
 SYSTEMS = {
     "offline": {"sluice-mixed", "sluice-prefill_first", "sluice-static", "transformers-static", "transformers-cb"},
-    "stall": {"mixed@128", "mixed@256", "mixed@512", "prefill_first", "static"},
+    "stall": {"mixed@128", "mixed@256", "mixed@512", "mixed@slo", "prefill_first", "static"},
     "prefix": {"prefix-cache-on", "prefix-cache-off"},
 }
 

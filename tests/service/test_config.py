@@ -64,6 +64,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_NUM_KV_BLOCKS": "100", "SLUICE_MAX_NUM_SEQS": "8", "SLUICE_MAX_NUM_BATCHED_TOKENS": "512",
         "SLUICE_MAX_MODEL_LEN": "1024", "SLUICE_SCHEDULING": "static", "SLUICE_PREFIX_CACHING": "false",
         "SLUICE_LONG_PREFILL_TOKEN_THRESHOLD": "64", "SLUICE_MAX_NUM_PARTIAL_PREFILLS": "2", "SLUICE_SEED": "7",
+        "SLUICE_ITL_SLO_MS": "150",
         "SLUICE_PIN_SYSTEM_PROMPT": f"{prompt_a},{prompt_b}", "SLUICE_HOST": "0.0.0.0", "SLUICE_PORT": "9000",
         "SLUICE_SERVED_MODEL_NAME": "m", "SLUICE_API_KEY": "k", "SLUICE_ALLOWED_ORIGINS": "http://a.example, http://b.example",
         "SLUICE_MAX_CONNECTIONS": "5", "SLUICE_MAX_INFLIGHT_PER_CONNECTION": "3", "SLUICE_MAX_QUEUED_REQUESTS": "9",
@@ -76,7 +77,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
     assert c == ServerConfig(
         model="/models/m", dtype="bfloat16", device="cuda", block_size=32, num_kv_blocks=100, max_num_seqs=8,
         max_num_batched_tokens=512, max_model_len=1024, scheduling="static", prefix_caching=False,
-        long_prefill_token_threshold=64, max_num_partial_prefills=2, seed=7, pin_system_prompt=(str(prompt_a), str(prompt_b)),
+        long_prefill_token_threshold=64, max_num_partial_prefills=2, itl_slo_ms=150.0, seed=7, pin_system_prompt=(str(prompt_a), str(prompt_b)),
         host="0.0.0.0", port=9000, served_model_name="m", api_key="k", allowed_origins=("http://a.example", "http://b.example"),
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
         timeout_graceful_shutdown=2.5, log_level="debug", max_pending_auth=7, max_http_connections=99,

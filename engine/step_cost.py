@@ -1,0 +1,67 @@
+"""`StepCost`: what an engine step costs, learned from the steps the engine runs, for a token budget that follows an
+inter-token latency target (`EngineConfig.itl_slo_ms`, docs/architecture.md §4).
+
+A running stream gets one token per step, so its inter-token latency is the step's time. The model:
+`seconds = c0 + c1 * decodes + c2 * prompt_tokens + c3 * attention`, where `attention` is the work of the prompt
+chunks' attention, each chunk of n tokens after c computed ones adding n * (c + n / 2) (in millions): a chunk deep
+in a long prompt costs more than the first. Fitted by least squares over the steps seen, older steps weighing
+less (`decay` per step), so a change of load or of machine speed is followed within a few dozen steps.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+MIN_STEPS = 8  # steps observed before the model is trusted; until then the configured budget stands
+HEADROOM = 0.8  # aim a step at this fraction of the target: step times scatter around the fit, and p99 counts
+
+
+def attention_work(num_new_tokens: int, num_computed_tokens: int) -> float:
+    return num_new_tokens * (num_computed_tokens + num_new_tokens / 2) / 1e6
+
+
+class StepCost:
+    def __init__(self, decay: float = 0.97, ridge: float = 1e-6) -> None:
+        self.decay = decay
+        self._ridge = np.eye(4) * ridge  # NOTE: added at every solve, never decayed: a term no step has varied yet
+        # (decode-only steps have no prompt tokens) stays solvable, at zero
+        self._xtx = np.zeros((4, 4))  # weighted sums of x x^T and x y, x = (1, decodes, prompt tokens, attention)
+        self._xty = np.zeros(4)
+        self.steps = 0
+        self.coef: np.ndarray | None = None  # (c0, c1, c2, c3) once MIN_STEPS steps are seen
+
+    def observe(self, decodes: int, prompt_tokens: int, attention: float, seconds: float) -> None:
+        x = np.array([1.0, decodes, prompt_tokens, attention])
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * seconds
+        self.steps += 1
+        if self.steps >= MIN_STEPS:
+            # NOTE: no cost is below zero; steps that all had the same mix cannot tell the terms apart yet, and
+            # then a zero keeps the budget from running away
+            self.coef = np.maximum(np.linalg.solve(self._xtx + self._ridge, self._xty), 0.0)
+
+    def predict(self, decodes: int, prompt_tokens: int, attention: float) -> float | None:
+        if self.coef is None:
+            return None
+        return float(self.coef @ np.array([1.0, decodes, prompt_tokens, attention]))
+
+    def prompt_budget(self, decodes: int, context: int, target_s: float, floor: int, cap: int) -> int:
+        """Most prompt tokens a step with `decodes` decodes may add, as one chunk after `context` computed tokens,
+        and still take at most HEADROOM * `target_s`; within [floor, cap]: prompts always advance, and never by
+        more than the configured budget."""
+        if self.coef is None:
+            return cap
+        c0, c1, c2, c3 = self.coef
+        room = HEADROOM * target_s - c0 - c1 * decodes
+        if room <= 0:
+            return floor
+        # c2 n + c3 n (context + n / 2) / 1e6 <= room: the positive root of a quadratic in n
+        a, b = c3 / 2e6, c2 + c3 * context / 1e6
+        if a > 0:
+            n = (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
+        elif b > 0:
+            n = room / b
+        else:
+            return cap
+        return int(min(cap, max(floor, n)))

@@ -1,0 +1,92 @@
+"""The step-cost model behind `itl_slo_ms` (engine/step_cost.py) and the scheduler's use of it: a budget that keeps
+a step's predicted time under the target, prompts that always advance, and the fixed budget as the cap."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.step_cost import HEADROOM, MIN_STEPS, StepCost, attention_work
+
+
+def _fed(c0: float, c1: float, c2: float, c3: float = 0.0, steps: int = 200, noise: float = 0.0) -> StepCost:
+    rng = random.Random(0)
+    cost = StepCost()
+    for _ in range(steps):
+        d, p, ctx = rng.randint(0, 32), rng.choice([0, 0, 16, 64, 256, 512]), rng.choice([0, 512, 2048, 3500])
+        att = attention_work(p, ctx)
+        cost.observe(d, p, att, (c0 + c1 * d + c2 * p + c3 * att) * (1 + rng.uniform(-noise, noise)))
+    return cost
+
+
+def test_the_fit_recovers_the_cost_and_the_budget_meets_the_target() -> None:
+    cost = _fed(0.010, 0.002, 0.0004, 0.05)
+    assert cost.coef == pytest.approx([0.010, 0.002, 0.0004, 0.05], rel=1e-3)
+    for context in (0, 3000):  # a chunk deep in a long prompt costs more, so it is smaller
+        budget = cost.prompt_budget(16, context, target_s=0.100, floor=16, cap=2048)
+        assert cost.predict(16, budget, attention_work(budget, context)) <= HEADROOM * 0.100
+        assert cost.predict(16, budget + 1, attention_work(budget + 1, context)) > HEADROOM * 0.100
+    assert cost.prompt_budget(16, 3000, 0.100, 16, 2048) < cost.prompt_budget(16, 0, 0.100, 16, 2048)
+
+
+def test_noise_still_gives_a_budget_near_the_truth() -> None:
+    truth = int((HEADROOM * 0.100 - 0.010 - 0.002 * 16) / 0.0004)  # no attention term here
+    budget = _fed(0.010, 0.002, 0.0004, steps=400, noise=0.2).prompt_budget(16, 0, 0.100, 16, 2048)
+    assert 0.8 * truth <= budget <= 1.2 * truth
+
+
+def test_bounds_and_no_model_yet() -> None:
+    cost = StepCost()
+    for _ in range(MIN_STEPS - 1):
+        cost.observe(4, 64, attention_work(64, 0), 0.05)
+    assert cost.coef is None and cost.prompt_budget(4, 0, 0.01, 16, 512) == 512  # untrained: the fixed budget
+    fast = _fed(0.001, 0.0, 0.00001)
+    assert fast.prompt_budget(8, 0, 1.0, 16, 512) == 512  # slack: never past the configured budget
+    slow = _fed(0.5, 0.01, 0.01)
+    assert slow.prompt_budget(8, 0, 0.1, 16, 512) == 16  # out of reach: prompts still advance a block a step
+
+
+def test_steps_that_never_vary_a_term_keep_it_at_zero() -> None:
+    """Hours of decode-only steps: the prompt terms were never seen, and the fit stays solvable (no singular
+    matrix inside a step); the first prompt then gets the fixed budget, and teaches the model its cost."""
+    cost = StepCost()
+    for _ in range(10_000):
+        cost.observe(16, 0, 0.0, 0.05)
+    assert cost.coef[2] == cost.coef[3] == 0.0 and cost.prompt_budget(16, 0, 0.1, 16, 512) == 512
+
+
+def test_the_scheduler_chunks_a_long_prompt_by_the_model(tiny_model_dir) -> None:
+    """With the model fed a known cost, a step's prompt tokens are what it allows, and the prompt still completes."""
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, max_model_len=1024,
+                                 max_num_batched_tokens=512, itl_slo_ms=100.0, enable_prefix_caching=False))
+    eng.scheduler.step_cost = _fed(0.010, 0.002, 0.0004)
+    eng.scheduler.step_cost.observe = lambda *args: None  # keep the known model: real steps here take ~1 ms
+    p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        eng.add_request(f"s{i}", [3 + i] * 8, p)
+    for _ in range(3):
+        eng.step()  # four streams decoding
+    eng.add_request("long", [5 + i % 300 for i in range(800)], SamplingParams(max_tokens=2, ignore_eos=True))
+    chunks = []
+    while "long" in eng.requests:
+        eng.step()
+        chunks.append(eng.scheduler.prompt_budget)
+    expected = int((HEADROOM * 0.100 - 0.010 - 0.002 * 4) / 0.0004)  # prompt tokens beside 4 decodes
+    assert expected in chunks and max(chunks) <= expected
+    assert eng.stats()["prompt_budget"] == eng.scheduler.prompt_budget
+    while eng.has_unfinished():
+        eng.step()
+
+
+def test_an_engine_without_a_target_keeps_its_budget(tiny_model_dir) -> None:
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256,
+                                 max_num_batched_tokens=64))
+    eng.generate([[3] * 100], SamplingParams(max_tokens=2, ignore_eos=True))
+    # the last step decoded one token: 63 of the fixed 64 were left for prompts; no model is fitted
+    assert eng.scheduler.prompt_budget == 63 and eng.scheduler.step_cost.steps == 0
+
+
+def test_bad_target_is_refused() -> None:
+    with pytest.raises(ValueError, match="itl_slo_ms"):
+        EngineConfig(itl_slo_ms=0)
