@@ -18,6 +18,8 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
+from bench.flooder import FRAME
+from service.protocol import decode_client
 from tests.server import REPO, Server, start_server
 from tests.service.conftest import finished_requests, recv, user_chat, wait_engine_idle
 
@@ -129,7 +131,7 @@ async def _neighbour_gaps(server: Server, tokens: int) -> list[float]:
 
 async def test_many_message_flood_does_not_stall_a_neighbour(server: Server) -> None:
     """A neighbour's worst gap between tokens while another client floods 1 MB frames of 28,000 one-character
-    messages stays within 3x its worst gap alone. Before, each frame was templated on the engine thread (~0.7 s
+    messages stays within 3x its worst gap alone, plus the parse of a frame or two. Before, each frame was templated on the engine thread (~0.7 s
     each, every stream frozen meanwhile); now it is refused on the loop by a bound on its tokens, and a
     connection that keeps the loop busy is read more slowly (service/budget.py)."""
     tokens = 600
@@ -144,5 +146,13 @@ async def test_many_message_flood_does_not_stall_a_neighbour(server: Server) -> 
         flooder.kill()
         flooder.wait()
     alone = max(alone, max(await _neighbour_gaps(server, tokens)))
-    print(f"neighbour worst gap: {max(flooded) * 1e3:.1f} ms flooded, {alone * 1e3:.1f} ms alone")
-    assert max(flooded) <= 3 * alone, f"worst gap {max(flooded) * 1e3:.1f} ms vs {alone * 1e3:.1f} ms alone"
+    # NOTE: the loop must still parse each frame it reads (the budget only reads a flooder less often), so a
+    # neighbour may wait for one frame's parse; what the fix removed is a templating pass per frame on the engine
+    # thread (~0.7 s, ~50 parses). Both sides of the bound scale with this CPU: the parse is timed here.
+    started = time.perf_counter()
+    decode_client(FRAME)
+    parse = time.perf_counter() - started
+    print(f"neighbour worst gap: {max(flooded) * 1e3:.1f} ms flooded, {alone * 1e3:.1f} ms alone; "
+          f"one frame parses in {parse * 1e3:.1f} ms")
+    assert max(flooded) <= 3 * alone + 2 * parse, (
+        f"worst gap {max(flooded) * 1e3:.1f} ms vs {alone * 1e3:.1f} ms alone (a frame parses in {parse * 1e3:.1f} ms)")

@@ -1,5 +1,5 @@
-"""Fixtures for the browser UI tests: a real `python -m service` (embedded tiny model) on a free
-loopback port, and Debian's Chromium driven by Playwright. Without /usr/bin/chromium the tests skip,
+"""Fixtures for the browser UI tests: a real `python -m service` (the embedded tiny model, end-of-text made
+unreachable: `no_eos_model_dir`) on a free loopback port, and Debian's Chromium driven by Playwright. Without /usr/bin/chromium the tests skip,
 except under CI=true, where a missing browser is a failure.
 
 NOTE: Playwright's sync API keeps an event loop running in the main thread while the browser is open,
@@ -7,11 +7,14 @@ so async tests cannot run after these in one session; pytest's path order puts t
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from tests.server import REPO, Server, spawn_server, wait_healthy
 from tests.web.common import KEY, UI, open_ui
@@ -45,11 +48,27 @@ def browser():
 
 
 @pytest.fixture(scope="session")
-def servers(browser, tmp_path_factory) -> Iterator[dict[str, Server]]:
-    """Two `sluice serve` processes on the embedded tiny model (random weights: its text is gibberish
-    by design), one open and one with `--api-key`; started side by side to halve the wait."""
+def no_eos_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded tiny model with its end-of-text row of the LM head zeroed: that logit is always 0 while the
+    largest of the others is ~+9, so a greedy answer never ends by end-of-text and a sampled one (temperature
+    0.7) ends so with a chance of ~1e-7 a token. Tests that act on a streaming answer then hold by construction,
+    whatever the speed of the machine (answers of the unchanged model sampled it within a few hundred tokens)."""
+    out = tmp_path_factory.mktemp("model") / tiny_model_dir.name  # the same name: the UI shows the same model
+    shutil.copytree(tiny_model_dir, out)
+    weights = load_file(str(out / "model.safetensors"))
+    eos = json.loads((out / "config.json").read_text())["eos_token_id"]
+    weights["lm_head.weight"][eos if isinstance(eos, list) else [eos]] = 0.0
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def servers(browser, no_eos_model_dir: Path, tmp_path_factory) -> Iterator[dict[str, Server]]:
+    """Two `sluice serve` processes on the tiny model (random weights: its text is gibberish by design), one open
+    and one with `--api-key`; started side by side to halve the wait."""
     tmp = tmp_path_factory.mktemp("serve")
-    procs = {"open": spawn_server(tmp), "keyed": spawn_server(tmp, "--api-key", KEY)}
+    model = ["--model", str(no_eos_model_dir)]
+    procs = {"open": spawn_server(tmp, *model), "keyed": spawn_server(tmp, *model, "--api-key", KEY)}
     try:
         for srv in procs.values():
             wait_healthy(srv)

@@ -91,7 +91,7 @@ def test_two_chats_stream_at_once_over_one_socket_and_switch_while_streaming(ui)
 def test_stop_mid_stream_ends_the_answer_as_cancelled(ui):
     page = ui.page
     ui.open()
-    ui.setting("seed", 1)  # seeded answers in this suite never end early by sampling end-of-text
+    ui.setting("seed", 1)  # answers in this suite never end early by sampling end-of-text (conftest.py)
     ui.setting("max_tokens", LONG)
     ui.send("a long answer, please")
     answer = ui.last_answer()
