@@ -91,7 +91,7 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room and not fit_max_tokens:
             raise PromptTooLongError(f"the context is {self.max_model_len} tokens; the prompt has {len(ids)} and "
-                                     f"max_tokens asks for {params.max_tokens} more (at most {room} fit)")
+                                     f"max_tokens asks for {params.max_tokens} more (at most {room} fit)", "max_tokens")
         req = Request(request_id, ids, params, min(max_tokens, room))
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         if params.seed is not None:

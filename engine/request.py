@@ -13,7 +13,12 @@ from typing import NamedTuple
 
 
 class PromptTooLongError(ValueError):
-    """The prompt does not fit in max_model_len with room for at least one new token (or for max_tokens)."""
+    """The prompt does not fit in max_model_len with room for at least one new token (or for max_tokens: then
+    `param` is "max_tokens")."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidSamplingParam(ValueError):

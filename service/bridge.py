@@ -169,7 +169,7 @@ class EngineBridge:
                 # a client's mistake is routine; a failure of ours is worth a warning
                 log.log(logging.WARNING if f.code == "internal" else logging.INFO, "request %s failed: %s: %s",
                         f.request_id, f.code, f.message)
-                self._finish(handle, None, RequestError(f.code, f.message))
+                self._finish(handle, None, RequestError(f.code, f.message, f.param))
 
     def _start(self, handle: RequestHandle, prompt_tokens: int, cached_tokens: int, at: float) -> None:
         handle.start(prompt_tokens, cached_tokens, at)

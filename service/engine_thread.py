@@ -65,6 +65,7 @@ class Failure:
     request_id: str
     code: ErrorCode
     message: str
+    param: str | None = None  # the request field at fault, when the engine names one
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,9 +201,9 @@ class EngineThread:
         try:
             engine.add_request(add.request_id, add.prompt_ids, add.params, fit_max_tokens=add.fit_max_tokens)
         except PromptTooLongError as e:
-            return Failure(add.request_id, "prompt_too_long", str(e))
+            return Failure(add.request_id, "prompt_too_long", str(e), e.param)
         except ValueError as e:
-            return Failure(add.request_id, "invalid_message", str(e))
+            return Failure(add.request_id, "invalid_message", str(e), getattr(e, "param", None))
         except Exception as e:  # ours, not the client's: this request fails, nothing else is disturbed
             log.exception("request %s: admission failed", add.request_id)
             return Failure(add.request_id, "internal", f"the engine failed to admit this request: {type(e).__name__}")

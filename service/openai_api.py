@@ -35,19 +35,25 @@ def _error(e: HTTPError) -> Response:
     return error_response(e.status, e.message, param=e.param, code=e.code)
 
 
-def _from_request_error(e: RequestError) -> HTTPError:
-    code = "context_length_exceeded" if e.code == "prompt_too_long" else e.code
-    return HTTPError(_STATUS.get(e.code, 500), e.message, param=e.param, code=code)
+def _from_request_error(e: RequestError, prompt_param: str | None = None) -> HTTPError:
+    """`prompt_param`: the body field a too-long prompt is named by, as OpenAI does ("messages" or "prompt")."""
+    if e.code == "prompt_too_long":
+        return HTTPError(400, e.message, param=e.param or prompt_param, code="context_length_exceeded")
+    return HTTPError(_STATUS.get(e.code, 500), e.message, param=e.param, code=e.code)
 
 
-def _failure(h: RequestHandle) -> HTTPError | None:
+def _prompt_param(body: CommonRequest) -> str:
+    return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+
+
+def _failure(h: RequestHandle, body: CommonRequest) -> HTTPError | None:
     """Why a request ended without an OpenAI answer: its error, or the server cancelled it (at shutdown).
 
     A cancel is an error here, not a finish_reason: OpenAI has none for it, and "stop" or "length" would
     pass a cut-off text off as an answer. (A cancel because the client left is never rendered: nobody reads.)
     """
     if h.error is not None:
-        return _from_request_error(h.error)
+        return _from_request_error(h.error, _prompt_param(body))
     if h.finish_reason == "abort":
         return HTTPError(503, "the server cancelled this request before it finished (it is shutting down); "
                               "retry shortly")
@@ -159,20 +165,20 @@ async def _generate(request: Request, svc: Service, req: GenerateRequest, render
     try:
         handle = svc.bridge.submit(req, event.set)
     except RequestError as e:
-        raise _from_request_error(e) from None
+        raise _from_request_error(e, _prompt_param(body)) from None
     # Streams too wait for the first output, so admission errors still get a real HTTP status.
     ready = (lambda h: h.finished) if not body.stream else (lambda h: h.finished or h.started)
     streaming = False
     try:
         if not await _wait_for(request.receive, handle, event, ready):
             return Response(status_code=499)  # nobody reads it
-        if (failure := _failure(handle)) is not None:
+        if (failure := _failure(handle, body)) is not None:
             raise failure
         if not body.stream:
             return Response(msgspec.json.encode(render.response(handle)), media_type="application/json")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         streaming = True
-        return SSEResponse(_sse(render, handle, event, include_usage), lambda: svc.bridge.abort(handle))
+        return SSEResponse(_sse(render, handle, event, include_usage, body), lambda: svc.bridge.abort(handle))
     finally:
         # NOTE: whatever ended the wait -- a disconnect (even in the tick the first output came), an error,
         # this task's cancellation -- a request not handed to a stream is aborted here; the stream aborts
@@ -181,7 +187,8 @@ async def _generate(request: Request, svc: Service, req: GenerateRequest, render
             svc.bridge.abort(handle)
 
 
-async def _sse(render: Render, handle: RequestHandle, event: asyncio.Event, include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse(render: Render, handle: RequestHandle, event: asyncio.Event, include_usage: bool,
+               body: CommonRequest) -> AsyncIterator[bytes]:
     for chunk in render.stream_start(handle, include_usage):
         yield _event(chunk)
     while True:
@@ -192,7 +199,7 @@ async def _sse(render: Render, handle: RequestHandle, event: asyncio.Event, incl
             break
         event.clear()
         await event.wait()
-    if (e := _failure(handle)) is not None:
+    if (e := _failure(handle, body)) is not None:
         yield _event(error_body(e.status, e.message, None, e.param, e.code))
     else:
         for chunk in render.stream_end(handle, include_usage):

@@ -79,7 +79,10 @@ def test_openai_errors(client: openai.OpenAI, model: str) -> None:
         client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": TOO_LONG}])
-    assert e.value.code == "context_length_exceeded"
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"  # as OpenAI names it
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=TOO_LONG)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=MESSAGES, temperature=5)
     for create in (lambda n: client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=n),
@@ -87,6 +90,7 @@ def test_openai_errors(client: openai.OpenAI, model: str) -> None:
         with pytest.raises(openai.BadRequestError) as e:  # as OpenAI and vLLM: refused, not silently capped
             create(MAIN_ENGINE["max_model_len"])
         assert e.value.code == "context_length_exceeded" and "max_tokens" in e.value.message
+        assert e.value.param == "max_tokens"
 
 
 def test_http_error_shapes(main_server: Server, model: str) -> None:
