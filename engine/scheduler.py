@@ -88,7 +88,7 @@ class Scheduler:
         # NOTE: the baselines never chunk, so their budget must fit the longest allowed prompt.
         self.whole_prompt_budget = max(config.max_num_batched_tokens, max_model_len)
         self.num_preemptions = 0
-        self.step_cost = StepCost()  # fed by the engine after every step; used with config.itl_slo_ms
+        self.step_cost = StepCost()  # with config.itl_slo_ms: fed by the engine after every step, sizes prompt chunks
         self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
 
     def add(self, req: Request) -> None:
