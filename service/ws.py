@@ -15,6 +15,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from service.auth import bearer_token, key_matches, origin_allowed
 from service.budget import LoopBudget
+from service.openai_errors import RETRY_AFTER_S
 from service.protocol import ErrorCode, Error, Hello, decode_client, encode
 from service.ws_session import Session
 
@@ -173,7 +174,8 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     if refusal is not None:
         log.debug("websocket upgrade refused: %d %s", *refusal)  # uvicorn logs the status line at info
         try:
-            await websocket.send_denial_response(PlainTextResponse(refusal[1], status_code=refusal[0]))
+            headers = {"Retry-After": str(RETRY_AFTER_S[refusal[0]])} if refusal[0] in RETRY_AFTER_S else None
+            await websocket.send_denial_response(PlainTextResponse(refusal[1], status_code=refusal[0], headers=headers))
         except RuntimeError:  # server without the denial-response extension: refuse by closing
             await websocket.close(WS_1008_POLICY_VIOLATION if refusal[0] == 403 else WS_1013_TRY_AGAIN_LATER)
         return

@@ -196,6 +196,7 @@ async def test_drops_mid_body_bad_utf8_and_refused_upgrades_log_no_error(guarded
     with pytest.raises(InvalidStatus) as info:
         await connect(guarded.ws_url, additional_headers=AUTH)
     assert info.value.response.status_code == 503
+    assert info.value.response.headers["Retry-After"] == "5"  # as the HTTP API's 503s
     for ws in full:
         await ws.close()
     await _wait_websockets(guarded, 0)
@@ -369,7 +370,7 @@ async def test_draining_is_visible_on_health_until_the_listener_closes(tiny_mode
             assert r.status_code == 503, r.text
         with pytest.raises(InvalidStatus) as info:
             await connect(server.ws_url)
-        assert info.value.response.status_code == 503
+        assert info.value.response.status_code == 503 and info.value.response.headers["Retry-After"] == "5"
         await send(ws, type="cancel", id="long")
         frames, code = await _closed_with(ws, MARGIN)
         assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "cancelled" and code == 1001
