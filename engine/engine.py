@@ -170,15 +170,13 @@ class LLMEngine:
         are not committed and run again from the next step. If no request fails alone, all of them are dropped."""
         ids = [r.request_id for r in batch.reqs]
         log.warning("step failed (%s: %s); retrying its %d requests", type(error).__name__, error, len(ids))
-        for g, state in rng:
-            g.set_state(state)
+        _restore(rng)
         try:
             return self.runner.run(batch, samples)
         except Exception:
             pass
         culprits = self._culprits(batch, samples, list(range(len(batch))), rng) or list(batch.reqs)  # together: all
-        for g, state in rng:
-            g.set_state(state)
+        _restore(rng)
         bad = [r.request_id for r in culprits]
         log.error("step failed for requests %s (of %s); aborting them", bad, ids, exc_info=error)
         for r in culprits:
@@ -197,8 +195,7 @@ class LLMEngine:
             probe = Batch()
             for i in half:
                 probe.add(batch.reqs[i], batch.num_new_tokens[i])
-            for g, state in rng:
-                g.set_state(state)
+            _restore(rng)
             try:
                 self.runner.run(probe, [samples[i] for i in half])
             except Exception:
@@ -311,3 +308,9 @@ class LLMEngine:
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "generation_tokens": self.generation_tokens,
         }
+
+
+def _restore(rng: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    """Puts the generators back where `LLMEngine._rng_state` found them."""
+    for g, state in rng:
+        g.set_state(state)

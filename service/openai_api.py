@@ -28,7 +28,7 @@ from service.openai_render import ChatRender, CompletionRender, Render
 if TYPE_CHECKING:
     from service.state import Service
 
-_STATUS = {"invalid_message": 400, "prompt_too_long": 400, "overloaded": 429, "internal": 500}
+_STATUS = {"invalid_message": 400, "overloaded": 429, "internal": 500}  # prompt_too_long: _from_request_error
 
 
 def _error(e: HTTPError) -> Response:
