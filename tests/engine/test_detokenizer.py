@@ -3,7 +3,7 @@ never split a UTF-8 character, and never show any part of a matched stop string;
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -80,6 +80,9 @@ def test_deltas_concatenate_to_the_full_decode(tok, prompt_ids, ids):
 @settings(max_examples=60, deadline=None)
 @given(text=st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), max_size=12))
 def test_valid_utf8_is_never_split(tok, prompt_ids, byte_ids, text):
+    # NOTE: a special token's text ("<|im_start|>", which Hypothesis found) tokenizes to that special token, which
+    # output text skips: not a split character
+    assume(not any(s in text for s in tok.all_special_tokens))
     for ids in (by_bytes(byte_ids, text), tok(text, add_special_tokens=False)["input_ids"]):
         deltas, _ = stream(IncrementalDetokenizer(tok, prompt_ids, []), ids)
         assert all("\ufffd" not in d for d in deltas), deltas
