@@ -304,6 +304,8 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_budget": self.scheduler.prompt_budget,
+            "scheduler_degraded": self.scheduler.pressure.level,
+            "scheduler_mode_changes": self.scheduler.pressure.num_changes,
             "num_steps": self.num_steps,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "generation_tokens": self.generation_tokens,

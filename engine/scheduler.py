@@ -4,7 +4,8 @@ No prefill or decode phase exists: every request has `num_computed_tokens` and a
 `n` more. Invariants: no step exceeds `max_num_batched_tokens` tokens (prompts are only unchunked
 in the baselines, whose budget is raised to fit one whole prompt) or `max_num_seqs` requests; a
 preempted request is requeued at the front, never lost. The block manager alone writes a
-request's KV bookkeeping; the scheduler only reads it.
+request's KV bookkeeping; the scheduler only reads it. Under KV pressure `mixed` admits less
+(`engine/pressure.py`); whatever runs keeps running, and with nothing running the head of `waiting` is admitted.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.pressure import PressureLadder
 from engine.request import Request, Status
 from engine.step_cost import StepCost
 
@@ -90,6 +92,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_cost = StepCost()  # with config.itl_slo_ms: fed by the engine after every step, sizes prompt chunks
         self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
+        self.pressure = PressureLadder(block_manager.num_blocks)  # `mixed` only: the others stay `normal`
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -108,6 +111,8 @@ class Scheduler:
                                                       floor=min(budget, self.bm.block_size), cap=budget)
             self.prompt_budget = budget
             budget = self._schedule_partial_prefills(batch, budget)
+            # NOTE: after the running requests took their blocks, so this step's preemptions gate its admissions
+            self.pressure.observe(self.num_preemptions, self.bm.num_free_blocks, len(self.running))
             self._admit(batch, budget, chunked=True)
         elif policy == "prefill_first":
             if not self._admit(batch, self.whole_prompt_budget, chunked=False):
@@ -168,6 +173,8 @@ class Scheduler:
             n = min(remaining, budget, cfg.chunk_limit) if chunked else remaining
             if n > budget:
                 break  # an unchunked prompt waits for a step of its own
+            if not self._may_admit(req):
+                break
             if not self.bm.allocate(req, n, cached):
                 break
             self.waiting.popleft()
@@ -178,6 +185,18 @@ class Scheduler:
             admitted += 1
             partial += remaining > 1
         return admitted
+
+    def _may_admit(self, req: Request) -> bool:
+        """The pressure mode's gate for the head of `waiting`. `normal`: its next chunk fits (the caller checks).
+        `hold`: all of its tokens fit beside a block of growth for each running request, so its prompt is not
+        started only to be preempted a few steps later (preempted requests wait at the front: they come back
+        first). `static`: nothing. An empty running set always admits, so nothing waits forever."""
+        mode = self.pressure.mode
+        if mode == "normal" or not self.running:
+            return True
+        if mode == "static":
+            return False
+        return self.bm.blocks_needed(req.num_tokens) + len(self.running) <= self.bm.num_free_blocks
 
     def _allocate_or_preempt(self, req: Request, n: int, batch: Batch) -> bool:
         """Allocates for `req`, preempting later-admitted, unscheduled requests while needed."""
@@ -218,3 +237,5 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        if not self.has_unfinished():
+            self.pressure.settle()

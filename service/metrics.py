@@ -19,6 +19,7 @@ _ENGINE_COUNTERS = {
     "num_steps": "Engine steps run.",
     "prompt_tokens_computed": "Prompt tokens run through the model (cache misses).",
     "generation_tokens": "Tokens generated.",
+    "scheduler_mode_changes": "Changes of the scheduler's KV-pressure mode (normal, hold, static), either way.",
 }
 _ENGINE_GAUGES = {
     "num_running": "Requests running in the engine.",
@@ -26,6 +27,8 @@ _ENGINE_GAUGES = {
     "num_kv_blocks": "KV cache blocks in the pool.",
     "num_free_kv_blocks": "Free KV cache blocks (cached-but-unused blocks count as free).",
     "kv_usage": "Fraction of KV cache blocks in use (0..1).",
+    "scheduler_degraded": "The scheduler's KV-pressure mode: 0 normal, 1 hold (admits a request only if all of it "
+                          "fits), 2 static (admits nothing while anything runs).",
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
