@@ -1,8 +1,8 @@
 """Sluice engine: paged KV cache, chunked-prefill continuous batching, prefix caching (docs/architecture.md §3)."""
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, StepError
-from engine.request import (CompletionOutput, InvalidSamplingParam, PromptTooLongError, RequestOutput, SamplingParams,
-                            TokenLogprob)
+from engine.engine import DeviceError, LLMEngine, StepError
+from engine.request import (Checkpoint, CompletionOutput, InvalidSamplingParam, PromptTooLongError, RequestOutput,
+                            SamplingParams, TokenLogprob)
 
-__all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StepError", "PromptTooLongError", "InvalidSamplingParam",
-           "RequestOutput", "CompletionOutput", "TokenLogprob"]
+__all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StepError", "DeviceError", "Checkpoint",
+           "PromptTooLongError", "InvalidSamplingParam", "RequestOutput", "CompletionOutput", "TokenLogprob"]

@@ -21,7 +21,8 @@ from engine.layout import placement, plan_layout
 from engine.model_runner import ModelRunner
 from engine.models import LlamaModel
 from engine.processor import InputProcessor
-from engine.request import CompletionOutput, PromptTooLongError, Request, RequestOutput, SamplingParams, Status
+from engine.request import (Checkpoint, CompletionOutput, PromptTooLongError, Request, RequestOutput, SamplingParams,
+                            Status)
 from engine.scheduler import Batch, Scheduler
 from engine.step_cost import attention_work
 from engine.tiny import default_model_dir
@@ -38,14 +39,20 @@ class StepError(RuntimeError):
         self.cause = cause
 
 
+class DeviceError(RuntimeError):
+    """The device failed for every request of a step, and then for a trivial computation: the engine cannot go on
+    (a CUDA error poisons its context). Its requests are intact; a caller can resume them in a new engine."""
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None):
+        """`model`: the weights of an engine this one replaces (`rebuilt`), instead of loading them again."""
         self.config = config
         self.model_dir = model_dir = default_model_dir() if config.model is None else Path(config.model)
         self.model_name = model_dir.name
         self.device, self.dtype = placement(config)
         self.model_config = mc = loader.load_model_config(model_dir)
-        self.model = LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype)
+        self.model = model or LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype)
         self.layout = layout = plan_layout(config, mc, self.device, self.dtype)  # after the weights (CUDA sizing)
         self.max_model_len = layout.max_model_len
         self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len)
@@ -75,14 +82,32 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return self.processor.chat_ids(messages)
 
+    def rebuilt(self) -> LLMEngine:
+        """A new engine over this one's weights (on the same device): an empty KV pool, scheduler and prefix
+        cache. For resuming requests (`add_request(..., resume=)`) after this engine failed. Its counters go on
+        from this one's, so a process's counters (`/metrics`) never go back. This engine's KV pool is let go first
+        (a step still running on it keeps it until it returns), so the new one's can take its memory."""
+        self.runner.kv_caches = []
+        new = LLMEngine(self.config, model=self.model)
+        new.num_steps, new.prompt_tokens_computed, new.generation_tokens = (
+            self.num_steps, self.prompt_tokens_computed, self.generation_tokens)
+        new.scheduler.num_preemptions = self.scheduler.num_preemptions
+        new.scheduler.pressure.num_changes = self.scheduler.pressure.num_changes
+        new.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_queries
+        new.block_manager.prefix_cache_hits = self.block_manager.prefix_cache_hits
+        return new
+
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *, fit_max_tokens: bool = True
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *, fit_max_tokens: bool = True,
+        resume: Checkpoint | None = None,
     ) -> None:
         """Raises `PromptTooLongError` if the prompt leaves no room for a token, `ValueError` if it is bad.
 
         `params.max_tokens` None asks for all the context the prompt leaves. One larger than that is capped
         with `fit_max_tokens`, else refused (`PromptTooLongError`). A str is tokenized here, on the engine
-        thread; a server tokenizes on its own thread and passes ids."""
+        thread; a server tokenizes on its own thread and passes ids. `resume`: the request ran in another engine
+        (same model and config) and its caller has what the checkpoint holds; it goes on from there, its outputs
+        recomputed as a preempted request's are, and what comes out next is what that engine would have sent."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -96,6 +121,8 @@ class LLMEngine:
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         if params.seed is not None:
             req.generator = self.runner.sampler.make_generator(params.seed)
+        if resume is not None:
+            _resume(req, resume)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -177,6 +204,8 @@ class LLMEngine:
             pass
         culprits = self._culprits(batch, samples, list(range(len(batch))), rng) or list(batch.reqs)  # together: all
         _restore(rng)
+        if len(culprits) == len(batch) and not self.runner.device_ok():  # no request is to blame
+            raise DeviceError(f"the device fails every computation ({error!r}); this engine cannot go on") from error
         bad = [r.request_id for r in culprits]
         log.error("step failed for requests %s (of %s); aborting them", bad, ids, exc_info=error)
         for r in culprits:
@@ -222,6 +251,8 @@ class LLMEngine:
         if reason is not None and not matched_stop_string and req.detok.flush():
             reason = "stop"  # the last, held-back bytes completed a stop string
         out = self._output(req, [token], req.detok.delta(reason is not None), reason, [logprob] if logprob else None)
+        if req.generator is not None:
+            out.rng_state = req.generator.get_state()
         if reason is not None:
             self.requests.pop(req.request_id, None)
             self.scheduler.finish(req, reason)
@@ -310,6 +341,23 @@ class LLMEngine:
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "generation_tokens": self.generation_tokens,
         }
+
+
+def _resume(req: Request, ckpt: Checkpoint) -> None:
+    """Puts a new request where its checkpoint says its caller is; `add_request` checked the prompt already."""
+    out = ckpt.output_token_ids
+    if len(out) >= req.max_tokens:  # it would have finished
+        raise ValueError(f"a checkpoint of {len(out)} tokens leaves no room for another (max_tokens {req.max_tokens})")
+    req.token_ids += out
+    for token in out:  # the same text as the engine that made them: the detokenizer is deterministic
+        req.detok.add_token(token)
+    if ckpt.num_text_chars > len(req.detok.text):
+        raise ValueError(f"a checkpoint claims {ckpt.num_text_chars} characters of text; its tokens make "
+                         f"{len(req.detok.text)}")
+    req.detok.emitted = ckpt.num_text_chars
+    if ckpt.rng_state is not None and req.generator is not None:
+        req.generator.set_state(ckpt.rng_state)
+    req.announced = True  # its caller knows it started
 
 
 def _restore(rng: list[tuple[torch.Generator, torch.Tensor]]) -> None:

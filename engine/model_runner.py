@@ -85,6 +85,13 @@ class ModelRunner:
             self.copies_done.record()
         return input_ids, meta
 
+    def device_ok(self) -> bool:
+        """Does a trivial computation still work on the device? (After a CUDA error none does.)"""
+        try:
+            return torch.ones(1, device=self.device).add_(1).item() == 2.0
+        except Exception:
+            return False
+
     def run(self, batch: Batch, samples: list[bool]) -> tuple[list[int], list[TokenLogprob | None]]:
         """Computes the batch's new tokens; returns a sampled token for each request with `samples[i]`."""
         rows = [i for i, s in enumerate(samples) if s]

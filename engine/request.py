@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class PromptTooLongError(ValueError):
@@ -132,6 +132,28 @@ class Request:
 
 
 @dataclass
+class Checkpoint:
+    """What resumes a request in another engine (`LLMEngine.add_request(..., resume=)`) exactly where its caller
+    is: the tokens it has been given, the characters of text they made, and its seeded generator's state after
+    the last of them. Built from the request's outputs alone; everything else (penalty counts, the detokenizer,
+    KV) is recomputed from these. An unseeded request resumes on the engine's generator."""
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_text_chars: int = 0
+    rng_state: Any = None  # torch.Tensor (ByteTensor) of the request's own generator; None if it has none
+
+    def advance(self, token_ids: list[int], text: str, rng_state: Any) -> None:
+        """The caller was given these (a `RequestOutput`'s new tokens, text delta and generator state)."""
+        self.output_token_ids += token_ids
+        self.num_text_chars += len(text)
+        if rng_state is not None:
+            self.rng_state = rng_state
+
+    def copy(self) -> Checkpoint:
+        return Checkpoint(list(self.output_token_ids), self.num_text_chars, self.rng_state)
+
+
+@dataclass
 class RequestOutput:
     """What one step produced for one request (deltas, not totals)."""
 
@@ -143,6 +165,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    rng_state: Any = None  # with a new token of a seeded request: its generator's state after it (for `Checkpoint`)
 
 
 @dataclass

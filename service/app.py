@@ -53,6 +53,8 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "failed", "error": svc.bridge.fatal}, status_code=503)
     if not svc.accepting:
         return JSONResponse({"status": "draining" if svc.draining else "starting"}, status_code=503)
+    if svc.bridge.recovering:  # requests are still taken (they wait); a load balancer may send new ones elsewhere
+        return JSONResponse({"status": "recovering"}, status_code=503)
     return JSONResponse({"status": "ok", "model": svc.model_name})
 
 

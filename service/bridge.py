@@ -3,6 +3,10 @@
 Prompts are templated and tokenized on a tokenizer thread of their own: the engine thread only sees ids.
 Each engine step's outputs cross to the loop in ONE call; undelivered output accumulates (merged) in its
 `RequestHandle`, so a slow reader costs at most its own completion, and never blocks the engine.
+
+The loop keeps each request's checkpoint (what its caller has been given). When the engine fails, or a step
+runs past `step_timeout`, a new engine thread over the same weights resumes them all from there; more than
+`MAX_RESTARTS` failures within `RESTART_WINDOW_S` give up (docs/architecture.md §11).
 """
 from __future__ import annotations
 
@@ -14,9 +18,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
-from engine import LLMEngine, PromptTooLongError
+from engine import Checkpoint, LLMEngine, PromptTooLongError
 from engine.processor import InputProcessor
 from service.engine_thread import Abort, Add, EngineReady, EngineThread, StepResult, Stop
 from service.handle import GenerateRequest, RequestError, RequestHandle, TokenRate
@@ -24,6 +30,16 @@ from service.handle import GenerateRequest, RequestError, RequestHandle, TokenRa
 log = logging.getLogger("sluice.bridge")
 
 TOKENIZER_NICENESS = 10  # added to the tokenizer thread's niceness
+MAX_RESTARTS = 3  # engine rebuilds within RESTART_WINDOW_S; one more failure in the window and the service gives up
+RESTART_WINDOW_S = 300.0
+
+
+@dataclass
+class _Sent:
+    """A request the engine thread has been given: enough to give it to another one."""
+    add: Add
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    aborted: bool = False  # an Abort followed it
 
 
 class EngineBridge:
@@ -31,14 +47,19 @@ class EngineBridge:
     loop's one registry of requests in flight (`_handles`)."""
 
     def __init__(self, engine_factory: Callable[[], LLMEngine], *, max_queued: int,
-                 pinned_system_prompts: Sequence[str] = (), metrics: Any = None) -> None:
+                 pinned_system_prompts: Sequence[str] = (), metrics: Any = None, step_timeout: float = 0.0) -> None:
+        """`step_timeout`: seconds a step may run before its engine is declared stuck and replaced (0: never)."""
         self._factory = engine_factory
         self._pinned = list(pinned_system_prompts)
         self._max_queued = max_queued
         self._metrics = metrics
+        self._step_timeout = step_timeout
         self._engine: EngineThread | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._losses: list[float] = []  # when engines failed, within RESTART_WINDOW_S
         self._ids = itertools.count()
         self._handles: dict[str, RequestHandle] = {}
+        self._sent: dict[str, _Sent] = {}  # request_id -> what the engine thread was given, in order
         self._num_queued = 0  # handles submitted but not started: the admission queue
         self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready
         self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-tokenizer",
@@ -47,6 +68,8 @@ class EngineBridge:
         self._aborted_early: set[str] = set()  # aborted while their prompt was queued or being tokenized
         self._rate = TokenRate()
         self.ready = False
+        self.recovering = False  # an engine is being rebuilt: requests wait for it (and are not lost)
+        self.num_restarts = 0
         self.fatal: str | None = None
         self.model_name = ""
         self.max_model_len = 0
@@ -56,11 +79,15 @@ class EngineBridge:
     def start(self) -> None:
         self._engine = EngineThread(self._factory, self, asyncio.get_running_loop(), self._pinned)
         self._engine.start()
+        if self._step_timeout > 0:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="sluice-engine-watchdog")
 
     async def stop(self, timeout: float = 10.0) -> None:
         if self._engine is None:
             return
         self.ready = False  # nothing is submitted from now on
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self._engine.send(Stop())
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, self._engine.join, timeout)
@@ -101,6 +128,8 @@ class EngineBridge:
             self._tokenizing[handle.request_id].cancel()  # a prompt still queued is never tokenized
         elif not handle.finished and self._engine is not None:
             self._engine.send(Abort(handle.request_id))
+            if (sent := self._sent.get(handle.request_id)) is not None:
+                sent.aborted = True
 
     def abort_all(self) -> None:
         for handle in list(self._handles.values()):
@@ -125,20 +154,71 @@ class EngineBridge:
             log.warning("request %s: tokenizing the prompt failed: %s: %s", handle.request_id, type(e).__name__, e)
             return self._finish(handle, None, RequestError("internal", "the server failed to tokenize the prompt"))
         assert self._engine is not None
-        self._engine.send(Add(handle.request_id, ids, req.params, req.fit_max_tokens))
+        add = Add(handle.request_id, ids, req.params, req.fit_max_tokens)
+        self._sent[handle.request_id] = _Sent(add)
+        self._engine.send(add)
 
     # ---- the engine thread's Listener (called on the loop) -----------------------------------
     def on_ready(self, ready: EngineReady) -> None:
         self.model_name, self.max_model_len, self.stats = ready.model_name, ready.max_model_len, ready.stats
         self._processor = ready.processor
         self.ready = True
-        log.info("engine ready: model=%s max_model_len=%d", ready.model_name, ready.max_model_len)
+        if self.recovering:
+            log.info("engine rebuilt: %d requests resumed", len(self._sent))
+        else:
+            log.info("engine ready: model=%s max_model_len=%d", ready.model_name, ready.max_model_len)
+        self.recovering = False
 
     def on_fatal(self, message: str) -> None:
         self.fatal = message
-        self.ready = False
+        self.ready = self.recovering = False
+        if self._engine is not None:
+            self._engine.abandon()
         for handle in list(self._handles.values()):
             self._finish(handle, None, RequestError("internal", message))
+
+    def on_lost(self, message: str) -> None:
+        self._replace(message)
+
+    async def _watch(self) -> None:
+        """The watchdog: an engine whose step has run past `step_timeout` is stuck (a hung device or kernel)."""
+        while True:
+            await asyncio.sleep(min(1.0, self._step_timeout / 4))
+            engine, now = self._engine, time.monotonic()
+            since = engine.busy_since if engine is not None else None
+            if since is not None and now - since > self._step_timeout and self.fatal is None:
+                self._replace(f"an engine step has run for {now - since:.1f} s, more than the "
+                              f"{self._step_timeout:g} s allowed (--engine-iteration-timeout-s)")
+
+    def _replace(self, reason: str) -> None:
+        """The engine failed or is stuck: a new engine thread resumes every request the old one held, from its
+        checkpoint (its caller sees a pause), or, after too many failures in the window, the service gives up."""
+        old = self._engine
+        assert old is not None
+        old.abandon()  # from now on nothing of it reaches this loop, even what it queued already
+        now = time.monotonic()
+        self._losses = [t for t in self._losses if now - t < RESTART_WINDOW_S] + [now]
+        if len(self._losses) > MAX_RESTARTS:
+            log.error("%s; the engine failed %d times in %.0f s: giving up", reason, len(self._losses),
+                      RESTART_WINDOW_S)
+            return self.on_fatal(f"{reason} (the engine failed {len(self._losses)} times in {RESTART_WINDOW_S:.0f} s)")
+        log.error("%s; rebuilding the engine and resuming its %d requests", reason, len(self._sent))
+        self.recovering = True
+        self.num_restarts += 1
+        if self._metrics:
+            self._metrics.engine_restarts.inc()
+        thread = EngineThread(partial(_rebuild, old.engine, self._factory), self, asyncio.get_running_loop(),
+                              self._pinned)
+        for rid, sent in list(self._sent.items()):
+            handle = self._handles[rid]
+            if sent.aborted:  # the old engine may have taken the Abort; its "abort" output never came
+                if not handle.started:
+                    self._start(handle, 0, 0, now)
+                self._finish(handle, "abort", None)
+            else:
+                thread.send(replace(sent.add, resume=sent.checkpoint.copy()))
+        self._engine = thread
+        thread.start()
 
     def on_step(self, result: StepResult) -> None:
         now = time.monotonic()
@@ -148,6 +228,8 @@ class EngineBridge:
             handle = self._handles.get(d.request_id)
             if handle is None:
                 continue
+            if (sent := self._sent.get(d.request_id)) is not None:
+                sent.checkpoint.advance(d.token_ids, d.text, d.rng_state)
             if not handle.started:
                 self._start(handle, d.num_prompt_tokens, d.num_cached_tokens, result.step_start)
             if d.num_new_tokens:
@@ -180,9 +262,20 @@ class EngineBridge:
             self._num_queued -= 1
         handle.finish(reason, error)
         del self._handles[handle.request_id]
+        self._sent.pop(handle.request_id, None)
         if self._metrics:
             self._metrics.observe_finish(handle, reason if error is None else "error")
         handle.notify()
+
+
+def _rebuild(old: LLMEngine | None, factory: Callable[[], LLMEngine]) -> LLMEngine:
+    """On the new engine thread: a new engine over the old one's weights; loaded again if that fails."""
+    if old is not None:
+        try:
+            return old.rebuilt()
+        except Exception:
+            log.exception("a new engine over the old weights failed; loading the model again")
+    return factory()
 
 
 def _yield_to_the_engine() -> None:

@@ -56,6 +56,7 @@ class ServerConfig:
     max_queued_requests: int = 1024
     max_message_bytes: int = 1 << 20
     timeout_graceful_shutdown: float = 20.0
+    engine_iteration_timeout_s: float = 300.0  # a step running longer is stuck: its engine is replaced; 0: never
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -72,6 +73,8 @@ class ServerConfig:
             raise ValueError("--max-connections must be >= 1")
         if self.timeout_graceful_shutdown < 0:
             raise ValueError("--timeout-graceful-shutdown must be >= 0")
+        if not self.engine_iteration_timeout_s >= 0:
+            raise ValueError("--engine-iteration-timeout-s must be >= 0 (0: no watchdog)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
 
@@ -188,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest WebSocket frame (close 1009) and HTTP request body (413) (default: %(default)s)")
     s.add_argument("--timeout-graceful-shutdown", type=float, default=d.timeout_graceful_shutdown,
                    help="seconds in-flight requests may run after SIGTERM before they are cancelled (default: %(default)s)")
+    s.add_argument("--engine-iteration-timeout-s", type=float, default=d.engine_iteration_timeout_s, metavar="S",
+                   help="an engine step running longer than this is stuck: a new engine resumes its requests "
+                        "(0: no watchdog; default: %(default)s)")
     s.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s); request text is never logged at info")
     return p

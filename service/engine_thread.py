@@ -2,7 +2,9 @@
 
 The event loop sends it typed commands (`Add`, `Abort`, `Stop`) through a queue; it answers through a
 `Listener` whose methods it schedules on the loop: `ready` once, then one `step` per engine step that
-produced anything, or `fatal` once if it dies. The engine is the one registry of what runs here.
+produced anything; `fatal` once if the engine cannot be built, `lost` once if it fails while serving. The
+engine is the one registry of what runs here. A thread the loop has `abandon`ed (it replaced it) reaches the
+loop no more, even with calls it scheduled before.
 """
 from __future__ import annotations
 
@@ -15,14 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine import LLMEngine, PromptTooLongError, RequestOutput, SamplingParams, StepError
+from engine import Checkpoint, LLMEngine, PromptTooLongError, RequestOutput, SamplingParams, StepError
 from engine.processor import InputProcessor
 from service.handle import TokenLogprobs
 from service.protocol import ErrorCode
 
 log = logging.getLogger("sluice.engine_thread")
-
-MAX_CONSECUTIVE_FAILURES = 3  # unexpected step exceptions in a row before the engine is declared dead
 
 
 # ---- loop -> engine thread ------------------------------------------------------------------
@@ -32,6 +32,7 @@ class Add:
     prompt_ids: list[int]
     params: SamplingParams
     fit_max_tokens: bool  # False: a max_tokens the prompt leaves no room for is refused, not capped
+    resume: Checkpoint | None = None  # it ran in an engine that failed; its caller has what this holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +53,17 @@ Command = Add | Abort | Stop
 class Delivery:
     """One RequestOutput, made loop-safe: token strings of logprobs are decoded on the engine thread."""
     request_id: str
-    num_new_tokens: int
+    token_ids: list[int]
     text: str
     finish_reason: str | None  # the engine's: "stop" | "length" | "abort"; None while running
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None
+    rng_state: Any  # a seeded request's generator state after its new token (for its `Checkpoint`), else None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,7 @@ class Listener(Protocol):
     def on_ready(self, ready: EngineReady) -> None: ...
     def on_step(self, result: StepResult) -> None: ...
     def on_fatal(self, message: str) -> None: ...
+    def on_lost(self, message: str) -> None: ...
 
 
 class EngineThread:
@@ -100,8 +107,10 @@ class EngineThread:
         self._loop = loop
         self._pinned = list(pinned_system_prompts)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._failures = 0  # unexpected step exceptions in a row
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self.engine: LLMEngine | None = None  # once built
+        self.busy_since: float | None = None  # monotonic start of the step running now, for the loop's watchdog
+        self.abandoned = False  # set on the loop
 
     def start(self) -> None:
         self._thread.start()
@@ -112,36 +121,50 @@ class EngineThread:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
+    def abandon(self) -> None:
+        """On the loop: this thread's engine is replaced. Nothing it scheduled reaches the listener from now on
+        (checked when each call runs, so not even what is queued already); it ends after its current step."""
+        self.abandoned = True
+        self._inbox.put(Stop())
+
     # ---- on the engine thread -------------------------------------------------------------
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         """To the loop. A closed loop means the server is gone: the thread just ends."""
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(self._deliver, fn, args)
         except RuntimeError:
             raise SystemExit from None
+
+    def _deliver(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        """On the loop."""
+        if not self.abandoned:
+            fn(*args)
 
     def _run(self) -> None:
         try:
             try:
                 engine = self._factory()
+                for text in self._pinned:
+                    n = engine.pin_prefix(engine.processor.system_prefix_ids(text))
+                    log.info("pinned a system prompt prefix of %d tokens", n)
+                processor = InputProcessor(engine.model_dir, engine.model_config.vocab_size, engine.max_model_len)
             except OSError as e:  # the model directory is missing or unreadable; the message says which and why
                 log.error("cannot load the model: %s", e)
-                self._post(self._listener.on_fatal, f"cannot load the model: {e}")
-                return
-            for text in self._pinned:
-                n = engine.pin_prefix(engine.processor.system_prefix_ids(text))
-                log.info("pinned a system prompt prefix of %d tokens", n)
-            processor = InputProcessor(engine.model_dir, engine.model_config.vocab_size, engine.max_model_len)
+                return self._post(self._listener.on_fatal, f"cannot load the model: {e}")
+            except Exception as e:
+                log.exception("cannot start the engine")
+                return self._post(self._listener.on_fatal, f"cannot start the engine: {type(e).__name__}: {e}")
+            self.engine = engine
             self._post(self._listener.on_ready,
                        EngineReady(engine.model_name, engine.max_model_len, engine.stats(), processor))
             while self._iteration(engine):
                 pass
         except SystemExit:
             pass
-        except BaseException as e:  # NOTE: the thread must never die silently
-            log.exception("engine thread crashed")
+        except BaseException as e:  # NOTE: the thread must never die silently; the loop decides what comes next
+            log.exception("the engine failed")
             try:
-                self._post(self._listener.on_fatal, f"engine failed: {type(e).__name__}: {e}")
+                self._post(self._listener.on_lost, f"the engine failed: {type(e).__name__}: {e}")
             except SystemExit:
                 pass
 
@@ -155,6 +178,8 @@ class EngineThread:
                 break
         failures: list[Failure] = []
         for command in commands:
+            if self.abandoned:
+                return False
             match command:
                 case Stop():
                     return False
@@ -164,42 +189,32 @@ class EngineThread:
                 case Abort(request_id=rid):
                     engine.abort(rid)  # a no-op for a request that already finished
         step_start = time.monotonic()
-        outputs = self._step(engine, failures) if engine.has_unfinished() else []
+        outputs = self._step(engine, failures, step_start) if engine.has_unfinished() else []
         deliveries = [_delivery(engine, o) for o in outputs]
         if deliveries or failures:
             self._post(self._listener.on_step, StepResult(step_start, deliveries, failures, engine.stats()))
         return True
 
-    def _step(self, engine: LLMEngine, failures: list[Failure]) -> list[RequestOutput]:
+    def _step(self, engine: LLMEngine, failures: list[Failure], started: float) -> list[RequestOutput]:
+        """One engine step. Anything but a `StepError` escapes: the engine's state can no longer be trusted, and
+        the loop resumes its requests in a new one (docs/architecture.md §11)."""
+        self.busy_since = started
         try:
-            outputs = engine.step()
-            self._failures = 0
-            return outputs
+            return engine.step()
         except StepError as e:  # the engine dropped exactly these requests; aborts it held come next step
             log.warning("step failed for requests %s: %s", e.request_ids, e)
             failures.extend(Failure(rid, "internal", "the model failed while computing this request")
                             for rid in e.request_ids)
             return []
-        except Exception as e:
-            self._failures += 1
-            request_ids = list(engine.requests)
-            log.exception("engine step failed (%d in a row); failing all %d requests", self._failures,
-                          len(request_ids))
-            if self._failures >= MAX_CONSECUTIVE_FAILURES:
-                raise
-            for rid in request_ids:
-                try:
-                    engine.abort(rid)
-                except Exception:
-                    log.exception("abort of request %s failed", rid)
-            failures.extend(Failure(rid, "internal", f"engine step failed: {type(e).__name__}") for rid in request_ids)
-            return []
+        finally:
+            self.busy_since = None
 
     @staticmethod
     def _admit(engine: LLMEngine, add: Add) -> Failure | None:
         """The engine decides whether a request is valid; its exceptions become protocol errors here."""
         try:
-            engine.add_request(add.request_id, add.prompt_ids, add.params, fit_max_tokens=add.fit_max_tokens)
+            engine.add_request(add.request_id, add.prompt_ids, add.params, fit_max_tokens=add.fit_max_tokens,
+                               resume=add.resume)
         except PromptTooLongError as e:
             return Failure(add.request_id, "prompt_too_long", str(e), e.param)
         except ValueError as e:
@@ -215,5 +230,5 @@ def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:
     if o.logprobs:  # present only when the request asked for them
         dec = engine.tokenizer.decode
         lps = [(dec([lp.token_id]), lp.logprob, [(dec([t]), v) for t, v in lp.top]) for lp in o.logprobs]
-    return Delivery(o.request_id, len(o.new_token_ids), o.text_delta, o.finish_reason if o.finished else None,
-                    o.num_prompt_tokens, o.num_cached_tokens, lps)
+    return Delivery(o.request_id, o.new_token_ids, o.text_delta, o.finish_reason if o.finished else None,
+                    o.num_prompt_tokens, o.num_cached_tokens, lps, o.rng_state)

@@ -68,6 +68,8 @@ class Metrics:
         self.errors = Counter("sluice_errors", "Error replies sent, by protocol error code.", ["code"], registry=r)
         self.websocket_connections = Gauge("sluice_websocket_connections", "Open WebSocket connections.",
                                            registry=r)
+        self.engine_restarts = Counter("sluice_engine_restarts", "Engines rebuilt after a failure or a stuck step, "
+                                       "their requests resumed.", registry=r)
         r.register(_EngineCollector(engine_stats))
 
     def observe_first_token(self, queue_s: float, ttft_s: float) -> None:

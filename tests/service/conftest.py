@@ -7,11 +7,16 @@ slow every step several-fold, and the in-process reference engine uses the same 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import time
+from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 
@@ -108,3 +113,23 @@ def finished_requests(server: Server) -> dict[str, float]:
                 reason = sample.labels["finish_reason"]
                 out[reason] = out.get(reason, 0.0) + sample.value
     return out
+
+
+@contextlib.contextmanager
+def in_process(app: Any, name: str) -> Iterator[SimpleNamespace]:
+    """`app` (from `service.app.build_app`, e.g. over a faulty engine factory) under uvicorn in a thread of this
+    process, healthy; `url`, `ws_url` and `app` on what it yields."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets-sansio",
+                                           ws_per_message_deflate=False, log_config=None))
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while not (server.started and httpx.get(f"{url}/health").status_code == 200):
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not become healthy"
+        time.sleep(0.1)
+    yield SimpleNamespace(url=url, ws_url=f"ws://127.0.0.1:{port}/v1/ws", app=app)
+    server.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()

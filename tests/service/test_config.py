@@ -71,6 +71,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_MAX_MESSAGE_BYTES": "4096", "SLUICE_TIMEOUT_GRACEFUL_SHUTDOWN": "2.5", "SLUICE_LOG_LEVEL": "debug",
         "SLUICE_MAX_PENDING_AUTH": "7", "SLUICE_MAX_HTTP_CONNECTIONS": "99", "SLUICE_TIMEOUT_AUTH": "1.5",
         "SLUICE_TIMEOUT_HEADERS": "2.5", "SLUICE_TIMEOUT_BODY": "3.5", "SLUICE_TIMEOUT_KEEP_ALIVE": "4",
+        "SLUICE_ENGINE_ITERATION_TIMEOUT_S": "0",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -81,7 +82,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         host="0.0.0.0", port=9000, served_model_name="m", api_key="k", allowed_origins=("http://a.example", "http://b.example"),
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
         timeout_graceful_shutdown=2.5, log_level="debug", max_pending_auth=7, max_http_connections=99,
-        timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_keep_alive=4)
+        timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_keep_alive=4, engine_iteration_timeout_s=0.0)
 
 
 def test_flags_win_over_variables_and_empty_means_unset(tmp_path) -> None:
@@ -106,6 +107,8 @@ def test_variables_that_name_no_flag_are_left_alone() -> None:
     ({"SLUICE_PORT": "70000"}, "--port must be in 0..65535, got 70000 (SLUICE_PORT sets --port)"),
     ({"SLUICE_TIMEOUT_GRACEFUL_SHUTDOWN": "soon"}, "SLUICE_TIMEOUT_GRACEFUL_SHUTDOWN='soon': not a valid float"),
     ({"SLUICE_MAX_CONNECTIONS": "0"}, "--max-connections must be >= 1 (SLUICE_MAX_CONNECTIONS sets --max-connections)"),
+    ({"SLUICE_ENGINE_ITERATION_TIMEOUT_S": "-1"}, "--engine-iteration-timeout-s must be >= 0 (0: no watchdog) "
+                                                   "(SLUICE_ENGINE_ITERATION_TIMEOUT_S sets"),
     ({"SLUICE_DEVICE": "gpu"}, "SLUICE_DEVICE='gpu': expected one of auto, cpu, cuda"),
     ({"SLUICE_PREFIX_CACHING": "maybe"}, "SLUICE_PREFIX_CACHING='maybe': expected 1/0, true/false"),
     ({"SLUICE_PIN_SYSTEM_PROMPT": "/no/such/file"}, "no such file: /no/such/file (SLUICE_PIN_SYSTEM_PROMPT sets"),

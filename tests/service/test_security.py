@@ -5,22 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from engine import EngineConfig, LLMEngine
 from service.app import build_app
 from service.config import ServerConfig
-from tests.service.conftest import (LONG, MAIN_ENGINE, Server, check_chat_frames, collect, free_port, recv, send,
+from tests.service.conftest import (LONG, MAIN_ENGINE, Server, check_chat_frames, collect, in_process, recv, send,
                                     start_server, user_chat)
 
 KEY = "s3cret-key"
@@ -62,20 +59,8 @@ def faulty(tiny_model_dir) -> Iterator[SimpleNamespace]:
     """The app `sluice serve` builds, over `faulty_engine`, under uvicorn in a thread of this process."""
     config = ServerConfig(api_key=KEY, num_kv_blocks=512, max_model_len=MAIN_ENGINE["max_model_len"], max_num_seqs=1)
     app = build_app(config, engine_factory=lambda: faulty_engine(EngineConfig(**config.engine_kwargs())))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets-sansio",
-                                           ws_per_message_deflate=False, log_config=None))
-    thread = threading.Thread(target=server.run, name="faulty-server", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while not (server.started and httpx.get(f"{url}/health").status_code == 200):
-        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not become healthy"
-        time.sleep(0.1)
-    yield SimpleNamespace(url=url, ws_url=f"ws://127.0.0.1:{port}/v1/ws")
-    server.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive()
+    with in_process(app, "faulty-server") as server:
+        yield server
 
 
 async def authed(server: Server | SimpleNamespace, **kwargs) -> object:
