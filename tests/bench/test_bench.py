@@ -78,3 +78,24 @@ def test_paired_ratio_is_the_median_of_same_round_ratios() -> None:
     assert paired_ratio(fast_then_slow, baseline, "tok_s") == pytest.approx(60 / 70)  # not 100 / 200
     assert paired_ratio({"rounds": {"tok_s": [1.0, None]}}, {"rounds": {"tok_s": [4.0, 2.0]}}, "tok_s") == 0.25
     assert paired_ratio({}, baseline, "tok_s") is None
+
+
+def test_replay_resumes_every_chat_whole(tiny_model_dir, tmp_path) -> None:
+    """The quick replay run: each replay row rebuilt the engine once, every chat got every token once, and the
+    float32 texts equal the unfaulted run's (the bench's own targets)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "replay", "--quick", "--no-progress", "--model", str(tiny_model_dir),
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "replay.json").read_text())
+    rows = {r["system"]: r for r in data["rows"]}
+    assert set(rows) == {"start-over", "replay", "replay-no-prefix-cache", "replay-float32"}
+    assert all(r["whole"] for r in rows.values()) and rows["start-over"]["restarts"] == 0
+    for name in ("replay", "replay-no-prefix-cache", "replay-float32"):
+        r = rows[name]
+        assert r["restarts"] == 1 and 0 < r["first_resumed_ms"] <= r["resumed_p50_ms"] <= r["resumed_max_ms"], r
+        assert r["prompt_tokens_recomputed"] > 0 and r["rebuild_ms"] > 0
+    assert rows["replay-float32"]["identical"] == 1.0
+    assert rows["replay"]["prompt_tokens_recomputed"] < rows["replay-no-prefix-cache"]["prompt_tokens_recomputed"]
