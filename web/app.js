@@ -8,7 +8,14 @@ import {icon} from './dom.js';
 
 const $ = (id) => document.getElementById(id);
 const scheme = location.protocol === 'https:' ? 'wss' : 'ws';
-const conn = new Connection(`${scheme}://${location.host}/v1/ws`);
+// The key a load balancer in front of several replicas routes on (README "Scaling"): one per browser, so every
+// turn of its chats lands on the replica that has their prefixes cached. A single server ignores it.
+const route = localStorage.getItem('sluice.route') ?? (() => {
+  const id = Array.from(crypto.getRandomValues(new Uint8Array(8)), (b) => b.toString(16).padStart(2, '0')).join('');
+  localStorage.setItem('sluice.route', id);
+  return id;
+})();
+const conn = new Connection(`${scheme}://${location.host}/v1/ws?route=${route}`);
 const book = new ChatBook(conn);
 const view = new View(book);
 const panel = new Panel(book, conn);

@@ -17,7 +17,7 @@ def test_dropped_socket_marks_streaming_chats_cut_off_then_reconnects(ui):
         server = ws.connect_to_server()
         routes.append((ws, server))
 
-    page.route_web_socket(re.compile(r"/v1/ws$"), forward)
+    page.route_web_socket(re.compile(r"/v1/ws(\?|$)"), forward)
     ui.open()
     ui.setting("seed", 1)
     ui.setting("max_tokens", LONG)
@@ -65,3 +65,15 @@ def test_api_key_is_asked_for_and_sent_with_hello(keyed_ui):
     page.reload()  # the tab's key is sent as `hello` without asking again
     ui.wait_connected()
     expect(dialog).to_be_hidden()
+
+
+def test_the_socket_carries_one_routing_key_per_browser(ui):
+    """`?route=` (README "Scaling"): a load balancer keeps a browser's chats on the replica that caches them, so
+    the key is random per browser and the same after a reload."""
+    ui.open()
+    ui.page.reload()
+    ui.wait_connected()
+    keys = [re.search(r"[?&]route=([0-9a-f]+)$", ws.url) for ws in ui.sockets]
+    assert len(keys) == 2 and all(keys), [ws.url for ws in ui.sockets]
+    assert keys[0].group(1) == keys[1].group(1) and len(keys[0].group(1)) == 16
+    assert ui.page.evaluate("localStorage.getItem('sluice.route')") == keys[0].group(1)

@@ -63,7 +63,7 @@ def test_html_in_model_output_is_shown_literally(ui):
         server.on_message(from_server)
         ws.on_message(lambda message: server.send(message))
 
-    page.route_web_socket(re.compile(r"/v1/ws$"), inject)
+    page.route_web_socket(re.compile(r"/v1/ws(\?|$)"), inject)
     ui.open()
     ui.setting("seed", 7)  # a seed whose answer is not empty: the first delta carries the payload
     ui.setting("max_tokens", 12)
