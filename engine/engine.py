@@ -17,7 +17,7 @@ from engine import loader
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, sluice_home
 from engine.detokenizer import IncrementalDetokenizer
-from engine.layout import placement, plan_layout
+from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
 from engine.models import LlamaModel
 from engine.processor import InputProcessor
@@ -45,15 +45,16 @@ class DeviceError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None):
-        """`model`: the weights of an engine this one replaces (`rebuilt`), instead of loading them again."""
+    def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None, layout: Layout | None = None):
+        """`model`, `layout`: the weights and KV layout of an engine this one replaces (`rebuilt`)."""
         self.config = config
         self.model_dir = model_dir = default_model_dir() if config.model is None else Path(config.model)
         self.model_name = model_dir.name
         self.device, self.dtype = placement(config)
         self.model_config = mc = loader.load_model_config(model_dir)
         self.model = model or LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype)
-        self.layout = layout = plan_layout(config, mc, self.device, self.dtype)  # after the weights (CUDA sizing)
+        # after the weights (CUDA sizing)
+        self.layout = layout = layout or plan_layout(config, mc, self.device, self.dtype)
         self.max_model_len = layout.max_model_len
         self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len)
         self.tokenizer = self.processor.tokenizer
@@ -85,14 +86,17 @@ class LLMEngine:
     def rebuilt(self) -> LLMEngine:
         """A new engine over this one's weights (on the same device): an empty KV pool, scheduler and prefix
         cache. For resuming requests (`add_request(..., resume=)`) after this engine failed. Its counters go on
-        from this one's, so a process's counters (`/metrics`) never go back. This engine's KV pool is let go first
-        (a step still running on it keeps it until it returns), so the new one's can take its memory."""
+        from this one's, so a process's counters (`/metrics`) never go back. Its KV layout is this one's (same
+        blocks, same `max_model_len`: what the checkpoints were made under). This engine's pool is let go first (a
+        step still running on it keeps it until it returns), so the new one can take its memory."""
         self.runner.kv_caches = []
-        new = LLMEngine(self.config, model=self.model)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # else the allocator keeps the old pool reserved
+        new = LLMEngine(self.config, model=self.model, layout=self.layout)
         new.num_steps, new.prompt_tokens_computed, new.generation_tokens = (
             self.num_steps, self.prompt_tokens_computed, self.generation_tokens)
         new.scheduler.num_preemptions = self.scheduler.num_preemptions
-        new.scheduler.pressure.num_changes = self.scheduler.pressure.num_changes
+        new.scheduler.pressure.go_on_from(self.scheduler.num_preemptions, self.scheduler.pressure.num_changes)
         new.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_queries
         new.block_manager.prefix_cache_hits = self.block_manager.prefix_cache_hits
         return new
@@ -357,7 +361,7 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
     req.detok.emitted = ckpt.num_text_chars
     if ckpt.rng_state is not None and req.generator is not None:
         req.generator.set_state(ckpt.rng_state)
-    req.announced = True  # its caller knows it started
+    req.announced = bool(out)  # its caller saw it start (else the new engine announces it, as a new request)
 
 
 def _restore(rng: list[tuple[torch.Generator, torch.Tensor]]) -> None:

@@ -68,6 +68,11 @@ class PressureLadder:
             self._change(MODES[self.level - 1],
                          f"no preemption in {CALM_STEPS} steps, {num_free_blocks}/{self.num_blocks} KV blocks free")
 
+    def go_on_from(self, num_preemptions: int, num_changes: int) -> None:
+        """In an engine that replaces another (`LLMEngine.rebuilt`): its counters go on from that one's; the
+        preemptions it had are not new ones."""
+        self._seen, self.num_changes = num_preemptions, num_changes
+
     def settle(self) -> None:
         """Nothing is running or waiting: no pressure is left to wait out."""
         if self.mode != "normal":

@@ -5,8 +5,9 @@ Each engine step's outputs cross to the loop in ONE call; undelivered output acc
 `RequestHandle`, so a slow reader costs at most its own completion, and never blocks the engine.
 
 The loop keeps each request's checkpoint (what its caller has been given). When the engine fails, or a step
-runs past `step_timeout`, a new engine thread over the same weights resumes them all from there; more than
-`MAX_RESTARTS` failures within `RESTART_WINDOW_S` give up (docs/architecture.md §11).
+runs past `step_timeout`, a new engine thread over the same weights resumes them all from there. A request in
+flight at two failures is not resumed again (it fails alone); more than `MAX_RESTARTS` failures within
+`RESTART_WINDOW_S`, or a rebuilt engine stuck before its first step, give up (docs/architecture.md §11).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ log = logging.getLogger("sluice.bridge")
 TOKENIZER_NICENESS = 10  # added to the tokenizer thread's niceness
 MAX_RESTARTS = 3  # engine rebuilds within RESTART_WINDOW_S; one more failure in the window and the service gives up
 RESTART_WINDOW_S = 300.0
+MAX_REQUEST_LOSSES = 2  # a request in flight at this many engine failures is failed, not resumed: it may be the cause
 
 
 @dataclass
@@ -40,6 +42,7 @@ class _Sent:
     add: Add
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     aborted: bool = False  # an Abort followed it
+    losses: int = 0  # engine failures it was in flight at
 
 
 class EngineBridge:
@@ -187,10 +190,10 @@ class EngineBridge:
             engine, now = self._engine, time.monotonic()
             since = engine.busy_since if engine is not None else None
             if since is not None and now - since > self._step_timeout and self.fatal is None:
-                self._replace(f"an engine step has run for {now - since:.1f} s, more than the "
-                              f"{self._step_timeout:g} s allowed (--engine-iteration-timeout-s)")
+                self._replace(f"the engine has been busy for {now - since:.1f} s, more than the "
+                              f"{self._step_timeout:g} s allowed (--engine-iteration-timeout-s)", stuck=True)
 
-    def _replace(self, reason: str) -> None:
+    def _replace(self, reason: str, stuck: bool = False) -> None:
         """The engine failed or is stuck: a new engine thread resumes every request the old one held, from its
         checkpoint (its caller sees a pause), or, after too many failures in the window, the service gives up."""
         old = self._engine
@@ -202,19 +205,28 @@ class EngineBridge:
             log.error("%s; the engine failed %d times in %.0f s: giving up", reason, len(self._losses),
                       RESTART_WINDOW_S)
             return self.on_fatal(f"{reason} (the engine failed {len(self._losses)} times in {RESTART_WINDOW_S:.0f} s)")
+        if stuck and old.replacement and old.steps_done == 0:  # a hung device hangs every engine built on it
+            log.error("%s, and it replaced a failed one without completing a step: giving up", reason)
+            return self.on_fatal(f"{reason}; the engine rebuilt after a failure never completed a step")
         log.error("%s; rebuilding the engine and resuming its %d requests", reason, len(self._sent))
         self.recovering = True
         self.num_restarts += 1
         if self._metrics:
             self._metrics.engine_restarts.inc()
-        thread = EngineThread(partial(_rebuild, old.engine, self._factory), self, asyncio.get_running_loop(),
-                              self._pinned)
+        # NOTE: the old engine goes through a holder the rebuild empties, so nothing keeps it (its weights) alive
+        thread = EngineThread(partial(_rebuild, [old.engine] if old.engine else [], self._factory), self,
+                              asyncio.get_running_loop(), self._pinned, replacement=True)
         for rid, sent in list(self._sent.items()):
             handle = self._handles[rid]
+            sent.losses += 1
             if sent.aborted:  # the old engine may have taken the Abort; its "abort" output never came
                 if not handle.started:
                     self._start(handle, 0, 0, now)
                 self._finish(handle, "abort", None)
+            elif sent.losses >= MAX_REQUEST_LOSSES:  # it may be what kills the engine: it fails, the rest go on
+                log.warning("request %s was in flight at %d engine failures: failing it", rid, sent.losses)
+                self._finish(handle, None, RequestError(
+                    "internal", f"the engine failed {sent.losses} times while computing this request"))
             else:
                 thread.send(replace(sent.add, resume=sent.checkpoint.copy()))
         self._engine = thread
@@ -268,13 +280,16 @@ class EngineBridge:
         handle.notify()
 
 
-def _rebuild(old: LLMEngine | None, factory: Callable[[], LLMEngine]) -> LLMEngine:
-    """On the new engine thread: a new engine over the old one's weights; loaded again if that fails."""
-    if old is not None:
+def _rebuild(holder: list[LLMEngine], factory: Callable[[], LLMEngine]) -> LLMEngine:
+    """On the new engine thread: a new engine over the old one's weights (taken out of `holder`); loaded again if
+    that fails, the old engine let go first."""
+    if holder:
+        old = holder.pop()
         try:
             return old.rebuilt()
         except Exception:
             log.exception("a new engine over the old weights failed; loading the model again")
+        del old
     return factory()
 
 

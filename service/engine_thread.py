@@ -101,7 +101,8 @@ class Listener(Protocol):
 
 class EngineThread:
     def __init__(self, factory: Callable[[], LLMEngine], listener: Listener, loop: asyncio.AbstractEventLoop,
-                 pinned_system_prompts: Sequence[str] = ()) -> None:
+                 pinned_system_prompts: Sequence[str] = (), *, replacement: bool = False) -> None:
+        """`replacement`: its engine replaces one that failed (the loop's watchdog treats it differently)."""
         self._factory = factory
         self._listener = listener
         self._loop = loop
@@ -109,7 +110,9 @@ class EngineThread:
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self.engine: LLMEngine | None = None  # once built
-        self.busy_since: float | None = None  # monotonic start of the step running now, for the loop's watchdog
+        self.busy_since: float | None = None  # monotonic start of the step (or pinning) now running, for the watchdog
+        self.steps_done = 0  # engine steps completed
+        self.replacement = replacement
         self.abandoned = False  # set on the loop
 
     def start(self) -> None:
@@ -144,9 +147,11 @@ class EngineThread:
         try:
             try:
                 engine = self._factory()
+                self.busy_since = time.monotonic()  # pinning runs the model: a hung device shows here first
                 for text in self._pinned:
                     n = engine.pin_prefix(engine.processor.system_prefix_ids(text))
                     log.info("pinned a system prompt prefix of %d tokens", n)
+                self.busy_since = None
                 processor = InputProcessor(engine.model_dir, engine.model_config.vocab_size, engine.max_model_len)
             except OSError as e:  # the model directory is missing or unreadable; the message says which and why
                 log.error("cannot load the model: %s", e)
@@ -200,7 +205,9 @@ class EngineThread:
         the loop resumes its requests in a new one (docs/architecture.md §11)."""
         self.busy_since = started
         try:
-            return engine.step()
+            outputs = engine.step()
+            self.steps_done += 1
+            return outputs
         except StepError as e:  # the engine dropped exactly these requests; aborts it held come next step
             log.warning("step failed for requests %s: %s", e.request_ids, e)
             failures.extend(Failure(rid, "internal", "the model failed while computing this request")
@@ -215,13 +222,15 @@ class EngineThread:
         try:
             engine.add_request(add.request_id, add.prompt_ids, add.params, fit_max_tokens=add.fit_max_tokens,
                                resume=add.resume)
-        except PromptTooLongError as e:
-            return Failure(add.request_id, "prompt_too_long", str(e), e.param)
-        except ValueError as e:
-            return Failure(add.request_id, "invalid_message", str(e), getattr(e, "param", None))
-        except Exception as e:  # ours, not the client's: this request fails, nothing else is disturbed
+        except Exception as e:
+            if add.resume is None and isinstance(e, PromptTooLongError):
+                return Failure(add.request_id, "prompt_too_long", str(e), e.param)
+            if add.resume is None and isinstance(e, ValueError):  # the client's mistake
+                return Failure(add.request_id, "invalid_message", str(e), getattr(e, "param", None))
+            # ours, not the client's (a resumed request was admitted once): this request fails, nothing else does
             log.exception("request %s: admission failed", add.request_id)
-            return Failure(add.request_id, "internal", f"the engine failed to admit this request: {type(e).__name__}")
+            what = "resume" if add.resume is not None else "admit"
+            return Failure(add.request_id, "internal", f"the engine failed to {what} this request: {type(e).__name__}")
         return None
 
 

@@ -138,7 +138,7 @@ async def test_a_failed_engine_is_replaced_and_every_stream_goes_on(tiny_model_d
     expected = await asyncio.get_running_loop().run_in_executor(None, reference, 9)
     fault = Fault(hold_until=9, when=all_streaming(9), hang=hang)
     b = await started_bridge(lambda: fault.wrap(LLMEngine(engine_config(tiny_model_dir))),
-                             step_timeout=0.5 if hang else 0.0)
+                             step_timeout=3.0 if hang else 0.0)  # the hang is forever: no step comes near 3 s
     first = b._engine
     try:
         got = await run_all(b, requests(9))
@@ -168,19 +168,71 @@ async def test_a_request_aborted_into_the_failure_finishes_as_aborted(tiny_model
         await b.stop()
 
 
-async def test_repeated_failure_gives_up_cleanly(tiny_model_dir, monkeypatch):
-    """Every engine dies at its first step: after MAX_RESTARTS rebuilds in the window the bridge gives up, and
-    every request fails with `internal` saying why."""
-    def dying() -> LLMEngine:
-        return Fault(hold_until=1, when=lambda eng: True).wrap(LLMEngine(engine_config(tiny_model_dir)))
+async def test_a_request_that_kills_every_engine_fails_alone_then_repeated_failure_gives_up(tiny_model_dir,
+                                                                                         monkeypatch):
+    """Every engine dies at its first step with requests in it. Requests in flight at two failures are not resumed
+    again (they fail with `internal`) and the service goes on; a fourth failure within the window gives up."""
+    def dying(hold_until: int = 1) -> LLMEngine:
+        return Fault(hold_until, when=lambda eng: True).wrap(LLMEngine(engine_config(tiny_model_dir)))
 
     monkeypatch.setattr(LLMEngine, "rebuilt", lambda self: dying())
-    b = await started_bridge(dying)
+    b = await started_bridge(lambda: dying(2))  # the first engine waits for both requests
     try:
         got = await run_all(b, requests(2))
-        assert all(err == "internal" for *_, err in got)
-        assert b.num_restarts == bridge_module.MAX_RESTARTS and b.fatal is not None
+        assert [err for *_, err in got] == ["internal", "internal"]
+        assert b.num_restarts == bridge_module.MAX_REQUEST_LOSSES and b.fatal is None and b.ready
+        got = await run_all(b, requests(1))  # two more failures: four in the window
+        assert got[0][3] == "internal" and b.fatal is not None
         assert f"failed {bridge_module.MAX_RESTARTS + 1} times" in b.fatal
+    finally:
+        await b.stop()
+
+
+async def test_a_rebuilt_engine_stuck_before_its_first_step_gives_up(tiny_model_dir, monkeypatch) -> None:
+    """A hung device hangs every engine built on it: the watchdog replaces the first, and gives up on the second."""
+    faults: list[Fault] = []
+
+    def hanging() -> LLMEngine:
+        faults.append(Fault(hold_until=1, when=lambda eng: True, hang=True))
+        return faults[-1].wrap(LLMEngine(engine_config(tiny_model_dir)))
+
+    monkeypatch.setattr(LLMEngine, "rebuilt", lambda self: hanging())
+    b = await started_bridge(hanging, step_timeout=1.0)
+    try:
+        got = await run_all(b, requests(1))
+        assert got[0][3] == "internal" and b.num_restarts == 1
+        assert "never completed a step" in b.fatal
+    finally:
+        for f in faults:
+            f.release.set()
+        await b.stop()
+
+
+async def test_tokens_computed_but_never_delivered_are_computed_again(tiny_model_dir, reference) -> None:
+    """The engine dies in the middle of a step's outputs: earlier requests of the step have their new token (and
+    a seeded one its generator moved) but nothing reached the loop. The checkpoints are what was delivered, so
+    the replay computes those tokens again: every text is the unfaulted run's."""
+    expected = await asyncio.get_running_loop().run_in_executor(None, reference, 9)
+    fired = threading.Event()
+
+    def factory() -> LLMEngine:
+        eng = LLMEngine(engine_config(tiny_model_dir))
+        append = eng._append_token
+
+        def append_or_die(req, token, logprob):
+            if not fired.is_set() and req.request_id == "7" and req.num_output_tokens >= 4:
+                fired.set()
+                raise RuntimeError("injected failure in the middle of a step's outputs")
+            return append(req, token, logprob)
+
+        eng._append_token = append_or_die
+        return eng
+
+    b = await started_bridge(factory)
+    try:
+        got = await run_all(b, requests(9))
+        assert fired.is_set() and b.num_restarts == 1
+        assert got == expected
     finally:
         await b.stop()
 
