@@ -73,7 +73,7 @@ class EngineSystem:
 
 
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps",
-             "prompt_tokens_computed", "generation_tokens")
+             "prompt_tokens_computed", "generation_tokens", "host_cache_hits", "host_copy_seconds")
 
 
 def drive(eng: LLMEngine, reqs: list[Req], desc: str, progress: bool = True,

@@ -3,10 +3,17 @@
 Invariants (checked by `check_integrity`): a block's `ref_count` equals the number of live block
 tables (plus pins) holding it; exactly the blocks with `ref_count == 0` sit in the free queue, in
 LRU order; a hashed block is findable under its hash until it is handed out again (evicted).
+
+With a host tier (`num_host_blocks`, docs/architecture.md §5), a cached block evicted from the device pool is
+copied to a host slot first, and a prefix that misses the device pool but hits the host is copied back instead of
+recomputed. The block manager only decides the copies; `take_copies` hands them to the runner, which makes them
+before the step's forward (offloads first: a block handed out again may be one being copied out).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from engine.request import Request
 
@@ -63,6 +70,48 @@ class FreeBlockQueue:
             b = b.next
 
 
+@dataclass
+class PrefixHits:
+    """A prompt's cached full blocks, in order: `blocks` in the device pool, then `host` (hash, slot) copied back
+    from the host tier on allocation."""
+    blocks: list[Block] = field(default_factory=list)
+    host: list[tuple[int, int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.blocks) + len(self.host)
+
+
+class HostTier:
+    """The second tier: `num_slots` host slots holding evicted cached blocks, LRU. Slots being read this step (a
+    copy back is pending) are never reused before the copies are made."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.entries: OrderedDict[int, tuple[int, tuple[int, tuple[int, ...]]]] = OrderedDict()  # hash -> slot, key
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.reading: set[int] = set()  # slots a pending copy back reads
+        self.evictions = 0
+
+    def lookup(self, h: int, key: tuple[int, tuple[int, ...]]) -> int | None:
+        hit = self.entries.get(h)
+        return hit[0] if hit is not None and hit[1] == key else None
+
+    def store(self, h: int, key: tuple[int, tuple[int, ...]]) -> int | None:
+        """A slot for a block to copy out (most recently used now), or None if every slot is being read."""
+        if h in self.entries:
+            self.entries.move_to_end(h)
+            return None  # already here (it was copied back from here): nothing to copy
+        if not self.free:
+            victim = next((v for v, (slot, _) in self.entries.items() if slot not in self.reading), None)
+            if victim is None:
+                return None
+            self.free.append(self.entries.pop(victim)[0])
+            self.evictions += 1
+        slot = self.free.pop()
+        self.entries[h] = (slot, key)
+        return slot
+
+
 class BlockManager:
     """Hands out KV blocks to requests and shares full, identical prefix blocks between them.
 
@@ -79,15 +128,21 @@ class BlockManager:
       until evicted (LRU).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, Block] = {}  # hash -> block
         self.pinned: list[Block] = []
+        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
+        self._offloads: list[tuple[int, int]] = []  # (device block, host slot) to copy out before the next forward
+        self._loads: list[tuple[int, int]] = []  # (host slot, device block) to copy back, after the offloads
         self.prefix_cache_queries = 0  # prompt tokens looked up, once per request (its first allocation)
-        self.prefix_cache_hits = 0  # of those, served from the cache
+        self.prefix_cache_hits = 0  # of those, served from the cache (either tier)
+        self.host_cache_hits = 0  # of those, copied back from the host tier
+        self.host_blocks_offloaded = 0
+        self.host_blocks_loaded = 0
 
     @property
     def num_blocks(self) -> int:
@@ -124,49 +179,87 @@ class BlockManager:
             hits.append(b)
         return hits
 
-    def match_prefix(self, req: Request) -> list[Block]:
+    def match_prefix(self, req: Request) -> PrefixHits:
         if not self.enable_prefix_caching:
-            return []
+            return PrefixHits()
         hashes = self.hash_blocks(req)
-        return self._lookup(req.token_ids, hashes, (req.num_tokens - 1) // self.block_size)
+        n = (req.num_tokens - 1) // self.block_size
+        hits = PrefixHits(self._lookup(req.token_ids, hashes, n))
+        if self.host is not None:  # the device pool's run ended: go on in the host tier
+            bs, toks = self.block_size, req.token_ids
+            for i in range(len(hits.blocks), n):
+                slot = self.host.lookup(hashes[i], (hashes[i - 1] if i else 0, tuple(toks[i * bs : (i + 1) * bs])))
+                if slot is None:
+                    break
+                hits.host.append((hashes[i], slot))
+        return hits
 
     # -- allocation ------------------------------------------------------------------------
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[Block] = ()) -> bool:
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: PrefixHits | Sequence[Block] = ()) -> bool:
+        device = cached.blocks if isinstance(cached, PrefixHits) else cached
         num_computed = req.num_computed_tokens + len(cached) * self.block_size
-        fresh = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_table) - len(cached)
-        revived = sum(1 for b in cached if b.ref_count == 0)
+        fresh = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_table) - len(device)
+        revived = sum(1 for b in device if b.ref_count == 0)
         return max(fresh, 0) + revived <= self.num_free_blocks
 
-    def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[Block] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, cached: PrefixHits | Sequence[Block] = ()) -> bool:
         if cached:
             assert not req.block_table and req.num_computed_tokens == 0, f"{req}: prefix hits are for admission only"
         if not self.can_allocate(req, num_new_tokens, cached):
             return False
-        for b in cached:
+        device, host = (cached.blocks, cached.host) if isinstance(cached, PrefixHits) else (cached, [])
+        for b in device:
             if b.ref_count == 0:
                 self.free_queue.remove(b)
             b.ref_count += 1
             req.block_table.append(b.id)
+        for h, slot in host:  # NOTE: first, so the evictions below cannot take these slots (or their entries)
+            self.host.reading.add(slot)
+            self.host.entries.move_to_end(h)
+        for i, (h, slot) in enumerate(host, start=len(req.block_table)):  # copied back: cached on the device again
+            b = self._fresh()
+            b.hash, b.key = h, (req.block_hashes[i - 1] if i else 0,
+                                tuple(req.token_ids[i * self.block_size : (i + 1) * self.block_size]))
+            self.cached[h] = b
+            req.block_table.append(b.id)
+            self._loads.append((slot, b.id))
         req.num_computed_tokens += len(cached) * self.block_size
         req.num_committed_blocks += len(cached)  # they came from the cache: published already
         for _ in range(self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)):
-            b = self.free_queue.popleft()
-            self._evict(b)
-            b.ref_count = 1
-            req.block_table.append(b.id)
+            req.block_table.append(self._fresh().id)
         if not req.admitted:  # NOTE: a preempted request is looked up again, but counted once
             req.admitted = True
             req.num_cached_tokens = req.num_computed_tokens
             self.prefix_cache_queries += req.num_prompt_tokens
             self.prefix_cache_hits += req.num_cached_tokens
+            self.host_cache_hits += len(host) * self.block_size
         return True
+
+    def _fresh(self) -> Block:
+        """The least recently used free block, evicted from the cache (copied out first, with a host tier), held."""
+        b = self.free_queue.popleft()
+        self._evict(b)
+        b.ref_count = 1
+        return b
 
     def _evict(self, b: Block) -> None:
         if b.hash is not None:
             if self.cached.get(b.hash) is b:
                 del self.cached[b.hash]
+                if self.host is not None and (slot := self.host.store(b.hash, b.key)) is not None:
+                    self._offloads.append((b.id, slot))
             b.hash = b.key = None
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies the next forward needs, offloads (device block -> host slot) first, then copies back (host
+        slot -> device block); the caller makes them before it runs. Their slots may be reused from now on."""
+        offloads, loads, self._offloads, self._loads = self._offloads, self._loads, [], []
+        if self.host is not None:
+            self.host.reading.clear()
+            self.host_blocks_offloaded += len(offloads)
+            self.host_blocks_loaded += len(loads)
+        return offloads, loads
 
     def commit(self, req: Request, num_new_tokens: int) -> None:
         """Marks `num_new_tokens` more of `req`'s tokens computed; publishes its newly full blocks."""
@@ -236,3 +329,7 @@ class BlockManager:
         for b in free:
             assert b.prev is prev, "free queue links broken"
             prev = b
+        if self.host is not None:
+            used = [slot for slot, _ in self.host.entries.values()]
+            assert len(used) == len(set(used)) and not set(used) & set(self.host.free), "host slots corrupt"
+            assert len(used) + len(self.host.free) == self.host.num_slots, "host slots lost"

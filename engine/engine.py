@@ -59,7 +59,8 @@ class LLMEngine:
         self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len)
         self.tokenizer = self.processor.tokenizer
         self.eos_token_ids = loader.eos_token_ids(model_dir, self.tokenizer)
-        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching,
+                                          layout.num_host_blocks)
         self.scheduler = Scheduler(config, self.block_manager, layout.max_model_len)
         self.runner = ModelRunner(self.model, layout=layout, max_num_tokens=self.scheduler.whole_prompt_budget,
                                   max_num_seqs=config.max_num_seqs, seed=config.seed)
@@ -73,9 +74,9 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         log.info(
-            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d attention=%s",
-            self.model_name, self.device, self.dtype, layout.num_blocks, layout.block_size, layout.max_model_len,
-            self.attention_backend,
+            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d host_kv_blocks=%d block_size=%d max_model_len=%d "
+            "attention=%s", self.model_name, self.device, self.dtype, layout.num_blocks, layout.num_host_blocks,
+            layout.block_size, layout.max_model_len, self.attention_backend,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -87,9 +88,9 @@ class LLMEngine:
         """A new engine over this one's weights (on the same device): an empty KV pool, scheduler and prefix
         cache. For resuming requests (`add_request(..., resume=)`) after this engine failed. Its counters go on
         from this one's, so a process's counters (`/metrics`) never go back. Its KV layout is this one's (same
-        blocks, same `max_model_len`: what the checkpoints were made under). This engine's pool is let go first (a
-        step still running on it keeps it until it returns), so the new one can take its memory."""
-        self.runner.kv_caches = []
+        blocks, same `max_model_len`: what the checkpoints were made under). This engine's pools are let go first (a
+        step still running on them keeps them until it returns), so the new ones can take their memory."""
+        self.runner.kv_caches, self.runner.host_caches = [], []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # else the allocator keeps the old pool reserved
         new = LLMEngine(self.config, model=self.model, layout=self.layout)
@@ -97,8 +98,12 @@ class LLMEngine:
             self.num_steps, self.prompt_tokens_computed, self.generation_tokens)
         new.scheduler.num_preemptions = self.scheduler.num_preemptions
         new.scheduler.pressure.go_on_from(self.scheduler.num_preemptions, self.scheduler.pressure.num_changes)
-        new.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_queries
-        new.block_manager.prefix_cache_hits = self.block_manager.prefix_cache_hits
+        for counter in ("prefix_cache_queries", "prefix_cache_hits", "host_cache_hits", "host_blocks_offloaded",
+                        "host_blocks_loaded"):
+            setattr(new.block_manager, counter, getattr(self.block_manager, counter))
+        new.runner.copy_seconds = self.runner.copy_seconds
+        if new.block_manager.host and self.block_manager.host:
+            new.block_manager.host.evictions = self.block_manager.host.evictions
         return new
 
     def add_request(
@@ -157,6 +162,9 @@ class LLMEngine:
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         started = time.perf_counter()  # a step's whole time is a running stream's inter-token latency
         batch = self.scheduler.schedule()
+        offloads, loads = self.block_manager.take_copies()
+        if offloads or loads:  # the host tier's copies this batch's allocations decided, before its forward
+            self.runner.copy_blocks(offloads, loads)
         if not batch:
             return outputs
         samples = batch.samples()
@@ -339,6 +347,13 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_budget": self.scheduler.prompt_budget,
+            "num_host_kv_blocks": bm.host.num_slots if bm.host else 0,
+            "num_free_host_kv_blocks": len(bm.host.free) if bm.host else 0,
+            "host_cache_hits": bm.host_cache_hits,
+            "host_blocks_offloaded": bm.host_blocks_offloaded,
+            "host_blocks_loaded": bm.host_blocks_loaded,
+            "host_cache_evictions": bm.host.evictions if bm.host else 0,
+            "host_copy_seconds": self.runner.copy_seconds,
             "scheduler_degraded": self.scheduler.pressure.level,
             "scheduler_mode_changes": self.scheduler.pressure.num_changes,
             "num_steps": self.num_steps,

@@ -22,6 +22,7 @@ class Layout:
     block_size: int  # tokens per KV block
     num_blocks: int  # KV blocks in the pool
     max_model_len: int  # most tokens (prompt + output) of one request
+    num_host_blocks: int = 0  # slots of the host tier (`kv_offload_gb`), each one block of every layer
 
 
 def placement(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -64,4 +65,5 @@ def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dty
                 f"max_model_len={max_model_len} needs more KV than {num_blocks} blocks x {block_size} tokens = {capacity}; "
                 "raise num_kv_blocks or lower max_model_len"
             )
-    return Layout(device, dtype, block_size, num_blocks, max_model_len)
+    return Layout(device, dtype, block_size, num_blocks, max_model_len,
+                  int(config.kv_offload_gb * (1 << 30)) // bytes_per_block)

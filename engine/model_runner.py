@@ -5,6 +5,8 @@ once; building it loops over requests, never over tokens.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -32,6 +34,13 @@ class ModelRunner:
         ]
         self.max_blocks_per_seq = -(-layout.max_model_len // layout.block_size)
         pin = device.type == "cuda"
+        # the host tier (engine/block_manager.py): slots in host memory, pinned on CUDA, the same layout per layer
+        host_shape = (layout.num_host_blocks, *shape[1:])
+        self.host_caches = [
+            (torch.zeros(host_shape, dtype=dtype, pin_memory=pin), torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+            for _ in range(cfg.num_layers)
+        ] if layout.num_host_blocks else []
+        self.copy_seconds = 0.0  # spent in copy_blocks
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
@@ -84,6 +93,27 @@ class ModelRunner:
         if self.copies_done is not None:
             self.copies_done.record()
         return input_ids, meta
+
+    def copy_blocks(self, offloads: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """Before a forward: device blocks to host slots (`offloads`), then host slots to device blocks (`loads`).
+
+        NOTE: on CUDA the copies run on the compute stream (the device-to-host one waits for it); a side stream
+        that overlaps them with the previous step is not built yet."""
+        t = time.perf_counter()
+        dev = self.device
+        if offloads:
+            src = torch.tensor([b for b, _ in offloads], device=dev)
+            dst = torch.tensor([s for _, s in offloads])
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+                hk.index_copy_(0, dst, k.index_select(0, src).cpu())
+                hv.index_copy_(0, dst, v.index_select(0, src).cpu())
+        if loads:
+            src = torch.tensor([s for s, _ in loads])
+            dst = torch.tensor([b for _, b in loads], device=dev)
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+                k.index_copy_(0, dst, hk.index_select(0, src).to(dev, non_blocking=True))
+                v.index_copy_(0, dst, hv.index_select(0, src).to(dev, non_blocking=True))
+        self.copy_seconds += time.perf_counter() - t
 
     def device_ok(self) -> bool:
         """Does a trivial computation still work on the device? (After a CUDA error none does.)"""

@@ -17,7 +17,7 @@ from typing import Any
 ENGINE_FIELDS = (
     "model", "dtype", "device", "block_size", "num_kv_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "scheduling", "long_prefill_token_threshold",
-    "max_num_partial_prefills", "itl_slo_ms", "seed",
+    "max_num_partial_prefills", "itl_slo_ms", "seed", "kv_offload_gb",
 )
 
 
@@ -38,6 +38,7 @@ class ServerConfig:
     max_num_partial_prefills: int | None = None
     itl_slo_ms: float | None = None
     seed: int | None = None
+    kv_offload_gb: float | None = None
     pin_system_prompt: tuple[str, ...] = ()
     # HTTP / WebSocket surface
     host: str = "127.0.0.1"
@@ -157,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed scheduling: size each step's prompt chunks to keep running streams' inter-token "
                         "latency under MS, from a cost model of the steps run (default: off, the fixed budget)")
     e.add_argument("--seed", type=int, help="engine RNG seed")
+    e.add_argument("--kv-offload-gb", type=float, metavar="GB",
+                   help="host memory (GiB) for a second KV tier: cached prefixes evicted from the KV pool are kept "
+                        "there and copied back instead of recomputed (default: 0, none)")
     e.add_argument("--pin-system-prompt", action="append", metavar="FILE",
                    help="keep the KV cache of a system prompt (file content) forever; repeatable")
     s = p.add_argument_group("server")

@@ -20,6 +20,11 @@ _ENGINE_COUNTERS = {
     "prompt_tokens_computed": "Prompt tokens run through the model (cache misses).",
     "generation_tokens": "Tokens generated.",
     "scheduler_mode_changes": "Changes of the scheduler's KV-pressure mode (normal, hold, static), either way.",
+    "host_cache_hits": "Prompt tokens copied back from the host KV tier instead of recomputed.",
+    "host_blocks_offloaded": "Cached KV blocks copied to the host tier when evicted from the pool.",
+    "host_blocks_loaded": "KV blocks copied back from the host tier.",
+    "host_cache_evictions": "Blocks dropped from the host tier (LRU) to make room.",
+    "host_copy_seconds": "Seconds spent copying KV blocks between the pool and the host tier.",
 }
 _ENGINE_GAUGES = {
     "num_running": "Requests running in the engine.",
@@ -27,6 +32,8 @@ _ENGINE_GAUGES = {
     "num_kv_blocks": "KV cache blocks in the pool.",
     "num_free_kv_blocks": "Free KV cache blocks (cached-but-unused blocks count as free).",
     "kv_usage": "Fraction of KV cache blocks in use (0..1).",
+    "num_host_kv_blocks": "Slots of the host KV tier (--kv-offload-gb), one block each.",
+    "num_free_host_kv_blocks": "Host KV tier slots holding nothing.",
     "scheduler_degraded": "The scheduler's KV-pressure mode: 0 normal, 1 hold (admits a request only if all of it "
                           "fits), 2 static (admits nothing while anything runs).",
 }

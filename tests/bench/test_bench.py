@@ -17,6 +17,7 @@ SYSTEMS = {
     "offline": {"sluice-mixed", "sluice-prefill_first", "sluice-static", "transformers-static", "transformers-cb"},
     "stall": {"mixed@128", "mixed@256", "mixed@512", "mixed@slo", "prefill_first", "static"},
     "prefix": {"prefix-cache-on", "prefix-cache-off"},
+    "tiers": {"host-tier", "device-only"},
 }
 
 
@@ -62,6 +63,13 @@ def test_engine_counters_tell_cache_on_from_off(results: Path) -> None:
     rows = {r["system"]: r for r in json.loads((results / "prefix.json").read_text())["rows"]}
     on, off = rows["prefix-cache-on"], rows["prefix-cache-off"]
     assert off["prefix_hit_rate"] == 0.0 < on["prefix_hit_rate"]
+    assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"]
+
+
+def test_the_host_tier_serves_prompts_the_pool_evicted(results: Path) -> None:
+    rows = {r["system"]: r for r in json.loads((results / "tiers.json").read_text())["rows"]}
+    on, off = rows["host-tier"], rows["device-only"]
+    assert on["host_cache_hits"] > 0 and off["host_cache_hits"] == 0
     assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"]
 
 

@@ -218,7 +218,7 @@ def test_admission_counts_cache_hits_as_computed_and_committed():
     assert len(cached) == 3
     assert bm.allocate(req, 2, cached)
     assert (req.num_computed_tokens, req.num_committed_blocks, req.num_cached_tokens) == (12, 3, 12)
-    assert req.block_table[:3] == [b.id for b in cached] and len(req.block_table) == 4
+    assert req.block_table[:3] == [b.id for b in cached.blocks] and len(req.block_table) == 4
     bm.commit(req, 2)
     assert (req.num_computed_tokens, req.num_committed_blocks) == (14, 3)  # the 4th block is not full
     bm.check_integrity([warm, req])

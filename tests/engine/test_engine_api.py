@@ -13,7 +13,9 @@ MAX_LEN = 256
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 STATS_KEYS = {"num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "kv_usage", "prefix_cache_queries",
               "prefix_cache_hits", "num_preemptions", "num_steps", "prompt_tokens_computed", "generation_tokens",
-              "scheduler_degraded", "scheduler_mode_changes"}
+              "scheduler_degraded", "scheduler_mode_changes", "num_host_kv_blocks", "num_free_host_kv_blocks",
+              "host_cache_hits", "host_blocks_offloaded", "host_blocks_loaded", "host_cache_evictions",
+              "host_copy_seconds"}
 
 
 @pytest.fixture(scope="module")

@@ -133,12 +133,12 @@ def test_a_rebuilt_engine_keeps_the_layout_and_starts_calm(make):
     """Same blocks and max_model_len (what checkpoints were made under); the old engine's preemptions are not new
     pressure for the new one; the old pools are let go."""
     eng = LLMEngine(EngineConfig(model=make().config.model, dtype="float32", num_kv_blocks=12, max_model_len=128,
-                                 max_num_batched_tokens=32, max_num_seqs=8))
+                                 max_num_batched_tokens=32, max_num_seqs=8, kv_offload_gb=0.001))
     outs = eng.generate([_prompt(i, 30) for i in range(6)], SamplingParams(max_tokens=40, temperature=0.0,
                                                                          ignore_eos=True))
     assert len(outs) == 6 and eng.stats()["num_preemptions"] > 0
     new = eng.rebuilt()
-    assert new.layout == eng.layout and not eng.runner.kv_caches
+    assert new.layout == eng.layout and not eng.runner.kv_caches and not eng.runner.host_caches
     assert new.stats()["num_preemptions"] == eng.stats()["num_preemptions"]
     new.generate([_prompt(50)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert new.scheduler.pressure.mode == "normal"

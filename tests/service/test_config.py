@@ -71,7 +71,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_MAX_MESSAGE_BYTES": "4096", "SLUICE_TIMEOUT_GRACEFUL_SHUTDOWN": "2.5", "SLUICE_LOG_LEVEL": "debug",
         "SLUICE_MAX_PENDING_AUTH": "7", "SLUICE_MAX_HTTP_CONNECTIONS": "99", "SLUICE_TIMEOUT_AUTH": "1.5",
         "SLUICE_TIMEOUT_HEADERS": "2.5", "SLUICE_TIMEOUT_BODY": "3.5", "SLUICE_TIMEOUT_KEEP_ALIVE": "4",
-        "SLUICE_ENGINE_ITERATION_TIMEOUT_S": "0",
+        "SLUICE_ENGINE_ITERATION_TIMEOUT_S": "0", "SLUICE_KV_OFFLOAD_GB": "1.5",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -82,7 +82,8 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         host="0.0.0.0", port=9000, served_model_name="m", api_key="k", allowed_origins=("http://a.example", "http://b.example"),
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
         timeout_graceful_shutdown=2.5, log_level="debug", max_pending_auth=7, max_http_connections=99,
-        timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_keep_alive=4, engine_iteration_timeout_s=0.0)
+        timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_keep_alive=4, engine_iteration_timeout_s=0.0,
+        kv_offload_gb=1.5)
 
 
 def test_flags_win_over_variables_and_empty_means_unset(tmp_path) -> None:

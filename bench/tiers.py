@@ -1,0 +1,131 @@
+"""tiers: chats on many distinct system prompts, four times what the KV pool holds; the host tier on vs off.
+
+Each chat opens with one of `num_prompts` system prompts (drawn at random), so a prompt comes back after the
+device pool has usually evicted it. Without a host tier it is recomputed; with one (`kv_offload_gb` sized to hold
+every prompt) it is copied back. Arrivals are Poisson at `load` x the device-only system's capacity, measured in
+this run (as in `prefix`); both systems see the same schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from bench import report
+from bench.common import Run, model_config
+from bench.driver import EngineSystem, Req, Trace, measure, summarize
+from engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class Sizes:
+    num_prompts: int  # distinct system prompts
+    system_prompt: int
+    num_chats: int
+    user_turn: tuple[int, int]
+    output: int
+    calibration_chats: int
+    load: float  # arrival rate / device-only capacity
+    max_num_seqs: int
+
+
+FULL = Sizes(16, 512, 128, (16, 32), 16, 8, 0.8, max_num_seqs=4)
+QUICK = Sizes(8, 64, 24, (8, 16), 4, 4, 0.8, max_num_seqs=2)
+WARMUP = Sizes(2, 32, 2, (8, 16), 2, 0, 0.0, 0)
+BLOCK = 16
+
+
+def device_blocks(sz: Sizes) -> int:
+    """A pool holding a quarter of the system prompts, beside what the running chats need of their own."""
+    per_prompt = sz.system_prompt // BLOCK
+    own = -(-(sz.user_turn[1] + sz.output) // BLOCK) + 1
+    return sz.num_prompts * per_prompt // 4 + sz.max_num_seqs * (per_prompt + own)
+
+
+def chats(run: Run, sz: Sizes, tag: str, vocab: int, n: int, rate: float | None, salt: str = "") -> list[Req]:
+    """`n` chats, each on one of the `num_prompts` system prompts at random, Poisson at `rate`/s (None: at once)."""
+    rng = run.rng(f"tiers:prompts{salt}")
+    systems = [run.tokens(rng, sz.system_prompt, vocab) for _ in range(sz.num_prompts)]
+    rng = run.rng(f"tiers:{tag}")
+    t, out = 0.0, []
+    for i in range(n):
+        prompt = systems[rng.randrange(sz.num_prompts)] + run.tokens(rng, rng.randint(*sz.user_turn), vocab)
+        out.append(Req(f"{tag}-{i}", prompt, sz.output, t))
+        if rate:
+            t += rng.expovariate(rate)
+    return out
+
+
+def main(run: Run) -> dict:
+    sz = QUICK if run.quick else FULL
+    cfg = model_config(run.model_dir)
+    vocab = cfg["vocab_size"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    block_bytes = 2 * cfg["num_hidden_layers"] * BLOCK * cfg["num_key_value_heads"] * head_dim * \
+        (4 if run.dtype == "float32" else 2)
+    host_gb = 1.25 * sz.num_prompts * (sz.system_prompt // BLOCK) * block_bytes / (1 << 30)  # every prompt, and room
+
+    def system(name: str, offload_gb: float) -> EngineSystem:
+        return EngineSystem(name, EngineConfig(
+            model=str(run.model_dir), dtype=run.dtype, block_size=BLOCK, num_kv_blocks=device_blocks(sz),
+            max_num_seqs=sz.max_num_seqs, kv_offload_gb=offload_gb, seed=run.seed))
+
+    host, device = system("host-tier", host_gb), system("device-only", 0.0)
+    systems = [host, device]
+    device.run(chats(run, WARMUP, "warm-cal", vocab, 2, None, salt="warm"), desc="warm-up calibration",
+               progress=run.progress)
+    cal = device.run(chats(run, sz, "cal", vocab, sz.calibration_chats, None, salt="cal"), desc="calibrating capacity",
+                     progress=run.progress)
+    capacity = sz.calibration_chats / (cal.end - cal.start)  # chats/s without the host tier
+    rate = sz.load * capacity
+
+    def row(s, tr: Trace) -> dict:
+        return summarize(s.name, tr, arrival_rate_per_s=round(rate, 3), host_cache_hits=tr.stats["host_cache_hits"],
+                         host_copy_s=round(tr.stats["host_copy_seconds"], 3))
+
+    rows, traces = measure(
+        systems,
+        workload=lambda tag: chats(run, sz, tag, vocab, sz.num_chats, rate),
+        warmup=lambda tag: chats(run, WARMUP, tag, vocab, 2, None, salt="warm"),
+        row=row, rounds=run.rounds, progress=run.progress,
+    )
+    for s in systems:
+        s.close()
+    by = {r["system"]: r for r in rows}
+    r_on, r_off = by["host-tier"], by["device-only"]
+    computed = report.ratio(r_on.get("prompt_tokens_computed"), r_off.get("prompt_tokens_computed"))
+    targets = [
+        report.target("TTFT p50 host tier / device only (same round, median)",
+                      report.paired_ratio(r_on, r_off, "ttft_p50_ms"), "<=", 0.3),
+        report.target("prompt tokens computed cut (1 - host/device)", None if computed is None else 1 - computed,
+                      ">=", 0.7),
+    ]
+
+    def plot():
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for name, color in (("host-tier", "#4c72b0"), ("device-only", "#999999")):
+            tr = traces.get(name)
+            if tr is None:
+                continue
+            x = np.sort([1000 * tr.ttft(r) for r in tr.arrival if tr.tokens.get(r)])
+            ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", color=color,
+                    label=f"{name} (p50 {by[name]['ttft_p50_ms']:,.0f} ms)")
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token, ms (log)")
+        ax.set_ylabel("fraction of chats")
+        ax.set_title(f"tiers: {sz.num_chats} chats on {sz.num_prompts} system prompts of {sz.system_prompt} tokens, "
+                     f"a pool of {device_blocks(sz)} blocks", fontsize=9)
+        ax.legend(fontsize=8, loc="lower right")
+        ax.grid(alpha=0.3)
+        return fig
+
+    report.write(
+        run, "tiers", rows,
+        columns=["ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "prefix_hit_rate", "host_cache_hits",
+                 "prompt_tokens_computed", "host_copy_s", "itl_p50_ms", "wall_s", "error"],
+        config={**asdict(sz), "device_blocks": device_blocks(sz), "kv_offload_gb": round(host_gb, 4),
+                "capacity_chats_per_s": round(capacity, 3), "arrival_rate_per_s": round(rate, 3)},
+        targets=targets, plot=plot,
+    )
+    return {"rows": rows, "targets": targets}
