@@ -303,6 +303,27 @@ class BlockManager:
             self.pinned.append(b)
         return len(hits) * self.block_size
 
+    def adopt_pinned(self, token_ids: list[int]) -> list[int]:
+        """Fresh blocks for the full blocks of `token_ids`, cached under their hashes and pinned, as `pin` leaves
+        computed ones; returns their ids. The caller writes their KV (from a store) before any step reads them,
+        after the copies this may have decided (`take_copies`: evicted blocks are copied out first)."""
+        bs = self.block_size
+        hashes = self._chain_hashes(token_ids, [])
+        ids = []
+        for i, h in enumerate(hashes):
+            if h in self.cached:  # already on the device (an identical block): pin that one
+                b = self.cached[h]
+                if b.ref_count == 0:
+                    self.free_queue.remove(b)
+                b.ref_count += 1
+            else:
+                b = self._fresh()
+                b.hash, b.key = h, (hashes[i - 1] if i else 0, tuple(token_ids[i * bs : (i + 1) * bs]))
+                self.cached[h] = b
+            self.pinned.append(b)
+            ids.append(b.id)
+        return ids
+
     # -- checks ----------------------------------------------------------------------------
 
     def check_integrity(self, live: Iterable[Request] = ()) -> None:

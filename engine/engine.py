@@ -20,6 +20,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
 from engine.models import LlamaModel
+from engine.prefix_store import PrefixStore
 from engine.processor import InputProcessor
 from engine.request import (Checkpoint, CompletionOutput, PromptTooLongError, Request, RequestOutput, SamplingParams,
                             Status)
@@ -162,9 +163,7 @@ class LLMEngine:
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         started = time.perf_counter()  # a step's whole time is a running stream's inter-token latency
         batch = self.scheduler.schedule()
-        offloads, loads = self.block_manager.take_copies()
-        if offloads or loads:  # the host tier's copies this batch's allocations decided, before its forward
-            self.runner.copy_blocks(offloads, loads)
+        self._copy_blocks()  # the host tier's copies this batch's allocations decided, before its forward
         if not batch:
             return outputs
         samples = batch.samples()
@@ -245,6 +244,11 @@ class LLMEngine:
                 found += inner or [batch.reqs[i] for i in half]
         return found
 
+    def _copy_blocks(self) -> None:
+        offloads, loads = self.block_manager.take_copies()
+        if offloads or loads:
+            self.runner.copy_blocks(offloads, loads)
+
     def _count_prompt_tokens(self, batch: Batch) -> None:
         for r, n in zip(batch.reqs, batch.num_new_tokens):
             self.prompt_tokens_computed += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
@@ -319,7 +323,8 @@ class LLMEngine:
         return [acc[i] for i in ids]
 
     def pin_prefix(self, token_ids: list[int]) -> int:
-        """Computes `token_ids` once and pins their full KV blocks; returns the tokens pinned."""
+        """Pins the KV of `token_ids`' full blocks; returns the tokens pinned. From the prefix store if it holds
+        them (`config.prefix_store`), else computed once and then stored."""
         bm = self.block_manager
         spare = bm.num_blocks - len(bm.pinned) - bm.blocks_needed(len(token_ids))
         if spare < bm.blocks_needed(self.max_model_len):
@@ -327,8 +332,28 @@ class LLMEngine:
                 f"pinning {len(token_ids)} tokens would leave {spare} KV blocks, fewer than one max_model_len "
                 f"request needs ({bm.blocks_needed(self.max_model_len)}); raise num_kv_blocks"
             )
+        store = self._prefix_store()
+        full = len(token_ids) // bm.block_size
+        if store is not None and full and (kv := store.load(token_ids)) is not None:
+            ids = bm.adopt_pinned(token_ids)
+            self._copy_blocks()  # blocks it evicted go to the host tier before they are overwritten
+            self.runner.write_blocks(ids, *kv)
+            log.info("pinned %d tokens from the prefix store (%s)", full * bm.block_size, store.path(token_ids))
+            return full * bm.block_size
         self.generate([token_ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        return bm.pin(token_ids)
+        n = bm.pin(token_ids)
+        if store is not None and full and n == full * bm.block_size:
+            try:
+                path = store.save(token_ids, *self.runner.read_blocks([b.id for b in bm.pinned[-full:]]))
+                log.info("stored the KV of %d pinned tokens in %s", n, path)
+            except OSError as e:  # a read-only $SLUICE_HOME costs the next start a recomputation, nothing else
+                log.warning("cannot write the prefix store: %s", e)
+        return n
+
+    def _prefix_store(self) -> PrefixStore | None:
+        if not (self.config.prefix_store and self.config.enable_prefix_caching):
+            return None
+        return PrefixStore(sluice_home() / "prefix-store", self.model_dir, self.dtype, self.block_manager.block_size)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.scheduler.running)

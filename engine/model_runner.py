@@ -115,6 +115,19 @@ class ModelRunner:
                 v.index_copy_(0, dst, hv.index_select(0, src).to(dev, non_blocking=True))
         self.copy_seconds += time.perf_counter() - t
 
+    def read_blocks(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these blocks, every layer: `[layers, len(ids), block_size, kv_heads, head_dim]` each, on the host."""
+        idx = torch.tensor(ids, device=self.device)
+        return (torch.stack([k.index_select(0, idx) for k, _ in self.kv_caches]).cpu(),
+                torch.stack([v.index_select(0, idx) for _, v in self.kv_caches]).cpu())
+
+    def write_blocks(self, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """The inverse of `read_blocks`."""
+        idx = torch.tensor(ids, device=self.device)
+        for layer, (kc, vc) in enumerate(self.kv_caches):
+            kc.index_copy_(0, idx, k[layer].to(self.device, kc.dtype))
+            vc.index_copy_(0, idx, v[layer].to(self.device, vc.dtype))
+
     def device_ok(self) -> bool:
         """Does a trivial computation still work on the device? (After a CUDA error none does.)"""
         try:

@@ -39,6 +39,7 @@ class ServerConfig:
     itl_slo_ms: float | None = None
     seed: int | None = None
     kv_offload_gb: float | None = None
+    prefix_store: bool = True
     pin_system_prompt: tuple[str, ...] = ()
     # HTTP / WebSocket surface
     host: str = "127.0.0.1"
@@ -83,6 +84,7 @@ class ServerConfig:
         """Keyword arguments for `EngineConfig`; unset fields are omitted so the engine's defaults apply."""
         kwargs = {f: getattr(self, f) for f in ENGINE_FIELDS if getattr(self, f) is not None}
         kwargs["enable_prefix_caching"] = self.prefix_caching
+        kwargs["prefix_store"] = self.prefix_store
         return kwargs
 
 
@@ -161,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-offload-gb", type=float, metavar="GB",
                    help="host memory (GiB) for a second KV tier: cached prefixes evicted from the KV pool are kept "
                         "there and copied back instead of recomputed (default: 0, none)")
+    e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
+                   help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
+                        "start instead of computing it (default: on)")
     e.add_argument("--pin-system-prompt", action="append", metavar="FILE",
                    help="keep the KV cache of a system prompt (file content) forever; repeatable")
     s = p.add_argument_group("server")

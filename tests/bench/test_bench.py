@@ -107,3 +107,18 @@ def test_replay_resumes_every_chat_whole(tiny_model_dir, tmp_path) -> None:
         assert r["prompt_tokens_recomputed"] > 0 and r["rebuild_ms"] > 0
     assert rows["replay-float32"]["identical"] == 1.0
     assert rows["replay"]["prompt_tokens_recomputed"] < rows["replay-no-prefix-cache"]["prompt_tokens_recomputed"]
+
+
+def test_restart_loads_the_pinned_prompt_from_the_store(tiny_model_dir, tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "restart", "--quick", "--no-progress", "--model", str(tiny_model_dir),
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "restart.json").read_text())
+    rows = {r["system"]: r for r in data["rows"]}
+    store, none = rows["store"], rows["no-store"]
+    assert store["prompt_tokens_computed"] < none["prompt_tokens_computed"]  # the prompt came from the store
+    assert store["num_cached_tokens"] == none["num_cached_tokens"] > 0
+    assert data["targets"][1]["met"]  # the same first token either way

@@ -33,7 +33,7 @@ def test_defaults_and_serve_word() -> None:
     assert parse_config(["serve"], {}) == ServerConfig()
     c = ServerConfig()
     assert (c.host, c.port, c.api_key, c.prefix_caching) == ("127.0.0.1", 8000, None, True)
-    assert c.engine_kwargs() == {"enable_prefix_caching": True}  # the engine keeps its own defaults
+    assert c.engine_kwargs() == {"enable_prefix_caching": True, "prefix_store": True}  # the engine keeps its defaults
 
 
 def test_flags(tmp_path) -> None:
@@ -46,7 +46,7 @@ def test_flags(tmp_path) -> None:
     assert c.allowed_origins == ("http://a.example", "http://b.example", "http://c.example")
     assert c.pin_system_prompt == (str(prompt),)
     assert c.engine_kwargs() == {"max_num_seqs": 8, "dtype": "float32", "scheduling": "static",
-                                 "enable_prefix_caching": False}
+                                 "enable_prefix_caching": False, "prefix_store": True}
 
 
 def test_api_key_from_env_and_flag_wins() -> None:
@@ -72,6 +72,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_MAX_PENDING_AUTH": "7", "SLUICE_MAX_HTTP_CONNECTIONS": "99", "SLUICE_TIMEOUT_AUTH": "1.5",
         "SLUICE_TIMEOUT_HEADERS": "2.5", "SLUICE_TIMEOUT_BODY": "3.5", "SLUICE_TIMEOUT_KEEP_ALIVE": "4",
         "SLUICE_ENGINE_ITERATION_TIMEOUT_S": "0", "SLUICE_KV_OFFLOAD_GB": "1.5",
+        "SLUICE_PREFIX_STORE": "off",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -83,7 +84,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
         timeout_graceful_shutdown=2.5, log_level="debug", max_pending_auth=7, max_http_connections=99,
         timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_keep_alive=4, engine_iteration_timeout_s=0.0,
-        kv_offload_gb=1.5)
+        kv_offload_gb=1.5, prefix_store=False)
 
 
 def test_flags_win_over_variables_and_empty_means_unset(tmp_path) -> None:

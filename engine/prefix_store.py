@@ -1,0 +1,89 @@
+"""`PrefixStore`: the KV of pinned prefixes on disk, so a restarted engine loads them instead of computing them.
+
+One safetensors file per prefix under `ROOT/<model identity>/<dtype>-bs<block size>/<tokens hash>.safetensors`: the
+K and V of its full blocks, every layer, `[layers, blocks, block_size, kv_heads, head_dim]`. The key holds what the
+KV depends on: the model (its config and weight files: names, sizes, modification times), the dtype, the block size
+and the token ids. Its metadata repeats them with a SHA-256 of the tensors' bytes; a file whose metadata or digest
+does not match is refused (and replaced by the caller), never used. Writes go to a temporary file, then rename.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger("sluice.prefix_store")
+
+FORMAT = "sluice-prefix-kv-1"
+
+
+def model_identity(model_dir: Path) -> str:
+    """A digest of what the model's KV depends on, cheap to compute for any size: config.json's bytes and each
+    weight file's name, size and modification time (a changed file is another model)."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for p in sorted(model_dir.glob("*.safetensors")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]
+
+
+def _digest(k: torch.Tensor, v: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in (k, v):
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class PrefixStore:
+    def __init__(self, root: Path, model_dir: Path, dtype: torch.dtype, block_size: int) -> None:
+        self.model = model_identity(model_dir)
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.block_size = block_size
+        self.dir = root / self.model / f"{self.dtype}-bs{block_size}"
+
+    def _meta(self, token_ids: list[int]) -> dict[str, str]:
+        tokens = hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()
+        return {"format": FORMAT, "model": self.model, "dtype": self.dtype, "block_size": str(self.block_size),
+                "tokens": tokens}
+
+    def path(self, token_ids: list[int]) -> Path:
+        return self.dir / f"{self._meta(token_ids)['tokens'][:32]}.safetensors"
+
+    def load(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored K and V of `token_ids`' full blocks, or None: not stored, or refused (the log says why)."""
+        path = self.path(token_ids)
+        if not path.is_file():
+            return None
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            meta = header.get("__metadata__", {})
+            tensors = load_file(path)
+        except (OSError, ValueError, SafetensorError) as e:
+            log.warning("prefix store: refusing %s: unreadable (%s)", path, e)
+            return None
+        want = self._meta(token_ids)
+        k, v = tensors.get("k"), tensors.get("v")
+        n = len(token_ids) // self.block_size
+        if any(meta.get(key) != value for key, value in want.items()):
+            log.warning("prefix store: refusing %s: made for another model, dtype, block size or prompt", path)
+            return None
+        if k is None or v is None or k.shape != v.shape or k.shape[1] != n or meta.get("sha256") != _digest(k, v):
+            log.warning("prefix store: refusing %s: its contents do not match its digest (corrupt)", path)
+            return None
+        return k, v
+
+    def save(self, token_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> Path:
+        path = self.path(token_ids)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        k, v = k.contiguous().cpu(), v.contiguous().cpu()
+        save_file({"k": k, "v": v}, tmp, metadata={**self._meta(token_ids), "sha256": _digest(k, v)})
+        tmp.replace(path)
+        return path

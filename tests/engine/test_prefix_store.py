@@ -1,0 +1,93 @@
+"""The prefix store (engine/prefix_store.py): a restarted engine loads its pinned prefixes' KV from disk instead of
+computing it, and serves exactly what computing it would; a store made for another model, dtype or prompt, or a
+corrupt one, is refused and rebuilt, never used."""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.prefix_store import PrefixStore
+
+SYSTEM = [3 + (i * 13) % 900 for i in range(100)]  # 6 full blocks of 16, and 4 tokens more
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def make(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+
+    def make(**kw) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256,
+                                      **kw))
+    return make
+
+
+def _store(eng: LLMEngine) -> PrefixStore:
+    return eng._prefix_store()
+
+
+def _answer(eng: LLMEngine):
+    return eng.generate([SYSTEM + [7, 8, 9]], GREEDY)[0]
+
+
+def test_a_restarted_engine_loads_its_pinned_prefix(make, caplog) -> None:
+    first = make()
+    assert first.pin_prefix(SYSTEM) == 96 and _store(first).path(SYSTEM).is_file()
+    expected = _answer(first)
+    caplog.set_level(logging.INFO, logger="sluice.engine")
+    second = make()
+    assert second.pin_prefix(SYSTEM) == 96
+    assert second.stats()["prompt_tokens_computed"] == 0 and "from the prefix store" in caplog.text
+    got = _answer(second)
+    assert got.token_ids == expected.token_ids and got.num_cached_tokens == 96
+    second.check_integrity()
+    k, v = second.runner.read_blocks([b.id for b in second.block_manager.pinned])
+    k0, v0 = first.runner.read_blocks([b.id for b in first.block_manager.pinned])
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_a_corrupt_store_is_refused_and_rebuilt(make, caplog) -> None:
+    first = make()
+    first.pin_prefix(SYSTEM)
+    expected = _answer(first)
+    path = _store(first).path(SYSTEM)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # a bit of the tensors' bytes
+    path.write_bytes(bytes(data))
+    second = make()
+    second.pin_prefix(SYSTEM)
+    assert "corrupt" in caplog.text and second.stats()["prompt_tokens_computed"] > 0  # computed, not loaded
+    assert _answer(second).token_ids == expected.token_ids
+    third = make()  # the store was written again, whole
+    third.pin_prefix(SYSTEM)
+    assert third.stats()["prompt_tokens_computed"] == 0
+
+
+def test_a_store_made_for_another_model_or_prompt_is_never_used(make, tiny_model_dir, tmp_path, caplog) -> None:
+    first = make()
+    first.pin_prefix(SYSTEM)
+    store = _store(first)
+    other = tmp_path / "other-model"
+    other.mkdir()
+    config = (tiny_model_dir / "config.json").read_text().replace('"rms_norm_eps"', '"rms_norm_eps_"')
+    (other / "config.json").write_text(config)
+    foreign = PrefixStore(store.dir.parents[1], other, first.dtype, 16)
+    assert foreign.model != store.model and foreign.load(SYSTEM) is None  # another model: another key
+    foreign.dir.mkdir(parents=True)
+    shutil.copy(store.path(SYSTEM), foreign.path(SYSTEM))  # the file, put where that model looks
+    assert foreign.load(SYSTEM) is None and "another model" in caplog.text
+    shorter = SYSTEM[:-20]
+    shutil.copy(store.path(SYSTEM), store.path(shorter))  # another prompt's name on it
+    assert store.load(shorter) is None
+    assert PrefixStore(store.dir.parents[1], tiny_model_dir, torch.bfloat16, 16).load(SYSTEM) is None  # dtype
+
+
+def test_no_store_when_turned_off(make) -> None:
+    eng = make(prefix_store=False)
+    eng.pin_prefix(SYSTEM)
+    assert eng._prefix_store() is None
+    assert not any(make()._prefix_store().dir.parent.parent.parent.glob("**/*.safetensors"))
