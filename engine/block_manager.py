@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 from engine.request import Request
 
 
+PROTECTED_SHARE = 0.5  # slru: most of the pool the protected free queue may hold
+
+
 class Block:
-    __slots__ = ("id", "ref_count", "hash", "key", "prev", "next")
+    __slots__ = ("id", "ref_count", "hash", "key", "prev", "next", "hits", "protected")
 
     def __init__(self, block_id: int):
         self.id = block_id
@@ -28,6 +31,8 @@ class Block:
         self.key: tuple[int, tuple[int, ...]] | None = None  # (parent hash, tokens): rules out collisions
         self.prev: Block | None = None
         self.next: Block | None = None
+        self.hits = 0  # prefix hits on its cached contents (slru: a free block hit before is evicted last)
+        self.protected = False  # in the protected free queue
 
 
 class FreeBlockQueue:
@@ -128,11 +133,17 @@ class BlockManager:
       until evicted (LRU).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0,
+                 eviction: str = "lru"):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = FreeBlockQueue(self.blocks)  # with slru: the probation segment
+        # slru (segmented LRU): free cached blocks that were hit at least once wait here, and are evicted only when
+        # the probation queue is empty; it holds at most PROTECTED_SHARE of the pool (the oldest are demoted)
+        self.slru = eviction == "slru"
+        self.protected = FreeBlockQueue([])
+        self.protected_cap = int(PROTECTED_SHARE * num_blocks)
         self.cached: dict[int, Block] = {}  # hash -> block
         self.pinned: list[Block] = []
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
@@ -150,7 +161,24 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.protected)
+
+    def _take(self, b: Block) -> None:
+        """Out of whichever free queue holds it."""
+        (self.protected if b.protected else self.free_queue).remove(b)
+        b.protected = False
+
+    def _release(self, b: Block) -> None:
+        """Its last holder let go: into a free queue, still cached."""
+        if self.slru and b.hash is not None and b.hits:
+            b.protected = True
+            self.protected.append(b)
+            if len(self.protected) > self.protected_cap:  # the oldest protected block goes back on probation
+                d = self.protected.popleft()
+                d.protected = False
+                self.free_queue.append(d)
+        else:
+            self.free_queue.append(b)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -211,14 +239,16 @@ class BlockManager:
         device, host = (cached.blocks, cached.host) if isinstance(cached, PrefixHits) else (cached, [])
         for b in device:
             if b.ref_count == 0:
-                self.free_queue.remove(b)
+                self._take(b)
             b.ref_count += 1
+            b.hits += 1
             req.block_table.append(b.id)
         for h, slot in host:  # NOTE: first, so the evictions below cannot take these slots (or their entries)
             self.host.reading.add(slot)
             self.host.entries.move_to_end(h)
         for i, (h, slot) in enumerate(host, start=len(req.block_table)):  # copied back: cached on the device again
             b = self._fresh()
+            b.hits = 1  # a hit, from the host tier
             b.hash, b.key = h, (req.block_hashes[i - 1] if i else 0,
                                 tuple(req.token_ids[i * self.block_size : (i + 1) * self.block_size]))
             self.cached[h] = b
@@ -238,12 +268,14 @@ class BlockManager:
 
     def _fresh(self) -> Block:
         """The least recently used free block, evicted from the cache (copied out first, with a host tier), held."""
-        b = self.free_queue.popleft()
+        b = self.free_queue.popleft() if len(self.free_queue) or not len(self.protected) else self.protected.popleft()
+        b.protected = False
         self._evict(b)
         b.ref_count = 1
         return b
 
     def _evict(self, b: Block) -> None:
+        b.hits = 0
         if b.hash is not None:
             if self.cached.get(b.hash) is b:
                 del self.cached[b.hash]
@@ -286,7 +318,7 @@ class BlockManager:
             assert b.ref_count > 0, f"double free of block {bid}"
             b.ref_count -= 1
             if b.ref_count == 0:
-                self.free_queue.append(b)
+                self._release(b)
         req.block_table = []
         req.num_computed_tokens = req.num_committed_blocks = 0
 
@@ -298,7 +330,7 @@ class BlockManager:
         hits = self._lookup(token_ids, hashes, len(hashes))
         for b in hits:
             if b.ref_count == 0:
-                self.free_queue.remove(b)
+                self._take(b)
             b.ref_count += 1
             self.pinned.append(b)
         return len(hits) * self.block_size
@@ -314,7 +346,7 @@ class BlockManager:
             if h in self.cached:  # already on the device (an identical block): pin that one
                 b = self.cached[h]
                 if b.ref_count == 0:
-                    self.free_queue.remove(b)
+                    self._take(b)
                 b.ref_count += 1
             else:
                 b = self._fresh()
@@ -336,8 +368,11 @@ class BlockManager:
                 refs[bid] += 1
         for b in self.pinned:
             refs[b.id] += 1
-        free = list(self.free_queue)
-        assert len(free) == len(self.free_queue) == len({b.id for b in free}), "free queue corrupt"
+        free = list(self.free_queue) + list(self.protected)
+        assert len(free) == self.num_free_blocks == len({b.id for b in free}), "free queue corrupt"
+        assert all(b.protected for b in self.protected) and not any(b.protected for b in self.free_queue), \
+            "protected flags wrong"
+        assert len(self.protected) <= max(self.protected_cap, 0) or not self.slru, "protected queue over its cap"
         free_ids = {b.id for b in free}
         for b in self.blocks:
             assert b.ref_count == refs[b.id], f"block {b.id}: ref_count {b.ref_count} != {refs[b.id]} holders"
@@ -346,10 +381,11 @@ class BlockManager:
                 assert self.cached.get(b.hash) is b, f"block {b.id}: hashed but not findable"
         for h, b in self.cached.items():
             assert b.hash == h, f"cache entry {h} points at block {b.id} with hash {b.hash}"
-        prev = self.free_queue.head
-        for b in free:
-            assert b.prev is prev, "free queue links broken"
-            prev = b
+        for queue in (self.free_queue, self.protected):
+            prev = queue.head
+            for b in queue:
+                assert b.prev is prev, "free queue links broken"
+                prev = b
         if self.host is not None:
             used = [slot for slot, _ in self.host.entries.values()]
             assert len(used) == len(set(used)) and not set(used) & set(self.host.free), "host slots corrupt"

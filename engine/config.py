@@ -36,6 +36,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.85  # CUDA: fraction of free memory after weights that holds KV
     kv_cpu_bytes: int = 512 << 20  # CPU: bytes of KV cache when num_kv_blocks is None
     kv_offload_gb: float = 0.0  # host memory for a second KV tier (cached blocks evicted from the pool); 0: none
+    kv_eviction: str = "slru"  # which free cached block goes first: "slru" (ones hit before go last) or "lru"
     prefix_store: bool = True  # pinned prefixes' KV kept on disk under $SLUICE_HOME/prefix-store, loaded on start
 
     def __post_init__(self) -> None:
@@ -57,6 +58,7 @@ class EngineConfig:
         )
         need(self.itl_slo_ms is None or self.itl_slo_ms > 0, f"itl_slo_ms must be positive, got {self.itl_slo_ms}")
         need(self.max_num_partial_prefills > 0, f"max_num_partial_prefills must be positive, got {self.max_num_partial_prefills}")
+        need(self.kv_eviction in ("lru", "slru"), f"kv_eviction must be lru or slru, got {self.kv_eviction!r}")
         need(self.kv_offload_gb >= 0.0, f"kv_offload_gb must be >= 0, got {self.kv_offload_gb}")
         need(0.0 < self.kv_memory_fraction <= 1.0, f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 

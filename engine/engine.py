@@ -61,7 +61,7 @@ class LLMEngine:
         self.tokenizer = self.processor.tokenizer
         self.eos_token_ids = loader.eos_token_ids(model_dir, self.tokenizer)
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching,
-                                          layout.num_host_blocks)
+                                          layout.num_host_blocks, config.kv_eviction)
         self.scheduler = Scheduler(config, self.block_manager, layout.max_model_len)
         self.runner = ModelRunner(self.model, layout=layout, max_num_tokens=self.scheduler.whole_prompt_budget,
                                   max_num_seqs=config.max_num_seqs, seed=config.seed)

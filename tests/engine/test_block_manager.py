@@ -457,3 +457,31 @@ def test_random_traffic_keeps_the_pool_consistent(
         else:
             assert r.finish_reason in ("abort", "stop")
             assert r.num_output_tokens <= r.max_tokens
+
+
+def test_slru_keeps_a_hit_prefix_through_a_scan_that_lru_evicts() -> None:
+    """A prefix hit once is protected: one-off prompts (a scan) take the other free blocks first. Plain LRU
+    evicts the oldest freed block, the hot prefix among them."""
+    survivors = {}
+    for policy in ("lru", "slru"):
+        bm = BlockManager(8, BS, eviction=policy)
+        hot = toks(0, 9)  # 2 full blocks, cached
+        bm.free(compute(bm, "h1", hot)[0])
+        bm.free(compute(bm, "h2", hot)[0])  # a hit: slru protects its blocks
+        for i in range(3):  # one-off prompts of 4 blocks, each needing most of the pool
+            bm.free(compute(bm, f"scan{i}", toks(100 + 20 * i, 16))[0])
+        req, survivors[policy] = compute(bm, "h3", hot)
+        bm.check_integrity([req])
+    assert survivors == {"lru": 0, "slru": 8}
+
+
+def test_slru_protected_queue_is_capped_and_demotes_its_oldest() -> None:
+    bm = BlockManager(8, BS, eviction="slru")  # cap: 4 protected blocks
+    prompts = [toks(40 * i, 5) for i in range(6)]  # one full block each
+    for i, p in enumerate(prompts):
+        bm.free(compute(bm, f"a{i}", p)[0])
+        bm.free(compute(bm, f"b{i}", p)[0])  # hit: protected
+    assert len(bm.protected) == bm.protected_cap == 4
+    assert [b.hash for b in bm.protected] == [bm.hash_blocks(Request("x", p, SamplingParams(), 1))[0]
+                                                for p in prompts[2:]]  # the two oldest went back on probation
+    bm.check_integrity()
