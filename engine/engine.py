@@ -181,12 +181,15 @@ class LLMEngine:
         self.num_steps += 1
         j = 0
         for req, sampled in zip(batch.reqs, samples):
-            if sampled:
-                outputs.append(self._append_token(req, tokens[j], logprobs[j]))
-                j += 1
-            elif not req.announced:  # first chunk of a long prompt: tell the caller it started
-                outputs.append(self._output(req, [], "", None))
-            req.announced = True
+            try:
+                if sampled:
+                    outputs.append(self._append_token(req, tokens[j], logprobs[j]))
+                elif not req.announced:  # first chunk of a long prompt: tell the caller it started
+                    outputs.append(self._output(req, [], "", None))
+                req.announced = True
+            except Exception as e:  # this request's output cannot be made (its detokenizer, say): it fails alone
+                outputs.append(self.fail(req.request_id, e))
+            j += sampled
         if self.config.itl_slo_ms is not None:
             self.scheduler.step_cost.observe(*cost_x, time.perf_counter() - started)
         return outputs
@@ -272,6 +275,16 @@ class LLMEngine:
         if reason is not None:
             self.requests.pop(req.request_id, None)
             self.scheduler.finish(req, reason)
+        return out
+
+    def fail(self, request_id: str, error: BaseException) -> RequestOutput:
+        """Ends a request the engine failed outside the model: aborted, its blocks freed; the output says why."""
+        log.error("request %s failed: %r; aborting it", request_id, error, exc_info=error)
+        req = self.requests.pop(request_id)
+        if req.status is not Status.FINISHED:
+            self.scheduler.finish(req, "abort")
+        out = self._output(req, [], "", "abort")
+        out.error = f"{type(error).__name__}: {error}"
         return out
 
     def _output(self, req: Request, new: list[int], text: str, reason: str | None, logprobs=None) -> RequestOutput:

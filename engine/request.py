@@ -166,6 +166,7 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
     rng_state: Any = None  # with a new token of a seeded request: its generator's state after it (for `Checkpoint`)
+    error: str | None = None  # finished ("abort") because the engine failed it, outside the model: why
 
 
 @dataclass

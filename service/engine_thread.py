@@ -195,7 +195,19 @@ class EngineThread:
                     engine.abort(rid)  # a no-op for a request that already finished
         step_start = time.monotonic()
         outputs = self._step(engine, failures, step_start) if engine.has_unfinished() else []
-        deliveries = [_delivery(engine, o) for o in outputs]
+        deliveries = []
+        for o in outputs:
+            if o.error is not None:  # the engine failed it alone
+                failures.append(Failure(o.request_id, "internal", "the engine failed on this request"))
+                continue
+            try:
+                deliveries.append(_delivery(engine, o))
+            except Exception as e:  # e.g. decoding its logprobs' tokens: it fails alone
+                if o.request_id in engine.requests:
+                    engine.fail(o.request_id, e)
+                else:
+                    log.exception("request %s: its output could not be delivered", o.request_id)
+                failures.append(Failure(o.request_id, "internal", "the engine failed on this request"))
         if deliveries or failures:
             self._post(self._listener.on_step, StepResult(step_start, deliveries, failures, engine.stats()))
         return True

@@ -447,3 +447,41 @@ def test_cpu_engine_runs_the_native_attention(engine):
     if not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("no C++ compiler")
     assert engine.attention_backend == "cpu-native"
+
+
+def test_a_request_whose_output_fails_outside_the_model_fails_alone(isolated):
+    """Its detokenizer raises from its third token: it ends at once (finished, `error` says why), its blocks are
+    freed, and the others produce exactly what they produce without it."""
+    bystanders = _bystanders()
+    clean_eng = isolated()
+    for rid, ids, p in bystanders:
+        clean_eng.add_request(rid, ids, p)
+    clean, _ = _run_to_end(clean_eng)
+
+    eng = isolated()
+    requests = list(bystanders)
+    requests.insert(2, ("bad", prompt(15), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    for rid, ids, p in requests:
+        eng.add_request(rid, ids, p)
+    bad = eng.requests["bad"]
+    add_token = bad.detok.add_token
+
+    def broken(token):
+        if bad.num_output_tokens >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "this request's text cannot be decoded")
+        return add_token(token)
+
+    bad.detok.add_token = broken
+    tokens, ended = {}, {}
+    for _ in range(500):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                ended[o.request_id] = (o.finish_reason, o.error)
+    assert ended["bad"][0] == "abort" and "UnicodeDecodeError" in ended["bad"][1]
+    assert {rid: t for rid, t in tokens.items() if rid != "bad"} == clean
+    assert all(e == ("length", None) for rid, e in ended.items() if rid != "bad")
+    eng.check_integrity()
+    assert eng.stats()["num_free_kv_blocks"] == eng.stats()["num_kv_blocks"]

@@ -155,3 +155,23 @@ async def test_an_abandoned_thread_reaches_the_loop_no_more(started) -> None:
     await asyncio.get_running_loop().run_in_executor(None, thread.join, 10)
     await asyncio.sleep(0.1)  # anything it queued has run by now
     assert len(rec.steps) == seen and not thread._thread.is_alive() and rec.lost is None
+
+
+async def test_a_request_whose_output_fails_fails_alone(started, monkeypatch) -> None:
+    """Its detokenizer raises (here: a prompt ending in token 999): a Failure for it alone, the thread goes on."""
+    from engine.detokenizer import IncrementalDetokenizer
+
+    thread, rec, eng = started
+    add_token = IncrementalDetokenizer.add_token
+
+    def broken(self, token):
+        if 999 in self.ids[:6]:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "cannot decode")
+        return add_token(self, token)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_token", broken)
+    thread.send(Add("bad", _ids(8) + [999], SamplingParams(max_tokens=6, ignore_eos=True), fit_max_tokens=True))
+    thread.send(Add("good", _ids(8, 100), SamplingParams(max_tokens=6, ignore_eos=True), fit_max_tokens=True))
+    await rec.until(lambda: "bad" in rec.failures() and "good" in rec.finished())
+    assert rec.failures()["bad"].code == "internal" and rec.finished()["good"] == "length"
+    assert rec.lost is None and rec.fatal is None and not eng.requests
