@@ -95,6 +95,7 @@ class HostTier:
         self.entries: OrderedDict[int, tuple[int, tuple[int, tuple[int, ...]]]] = OrderedDict()  # hash -> slot, key
         self.free = list(range(num_slots - 1, -1, -1))
         self.reading: set[int] = set()  # slots a pending copy back reads
+        self.writing: set[int] = set()  # slots a pending copy out writes
         self.evictions = 0
 
     def lookup(self, h: int, key: tuple[int, tuple[int, ...]]) -> int | None:
@@ -107,13 +108,15 @@ class HostTier:
             self.entries.move_to_end(h)
             return None  # already here (it was copied back from here): nothing to copy
         if not self.free:
-            victim = next((v for v, (slot, _) in self.entries.items() if slot not in self.reading), None)
+            busy = self.reading | self.writing
+            victim = next((v for v, (slot, _) in self.entries.items() if slot not in busy), None)
             if victim is None:
                 return None
             self.free.append(self.entries.pop(victim)[0])
             self.evictions += 1
         slot = self.free.pop()
         self.entries[h] = (slot, key)
+        self.writing.add(slot)
         return slot
 
 
@@ -216,6 +219,8 @@ class BlockManager:
         if self.host is not None:  # the device pool's run ended: go on in the host tier
             bs, toks = self.block_size, req.token_ids
             for i in range(len(hits.blocks), n):
+                if hashes[i] in self.cached:  # on the device after a gap: stop here (no mixing past a hole)
+                    break
                 slot = self.host.lookup(hashes[i], (hashes[i - 1] if i else 0, tuple(toks[i * bs : (i + 1) * bs])))
                 if slot is None:
                     break
@@ -241,7 +246,7 @@ class BlockManager:
             if b.ref_count == 0:
                 self._take(b)
             b.ref_count += 1
-            b.hits += 1
+            b.hits += not req.admitted  # a preempted request coming back is not a second user
             req.block_table.append(b.id)
         for h, slot in host:  # NOTE: first, so the evictions below cannot take these slots (or their entries)
             self.host.reading.add(slot)
@@ -289,6 +294,7 @@ class BlockManager:
         offloads, loads, self._offloads, self._loads = self._offloads, self._loads, [], []
         if self.host is not None:
             self.host.reading.clear()
+            self.host.writing.clear()
             self.host_blocks_offloaded += len(offloads)
             self.host_blocks_loaded += len(loads)
         return offloads, loads
@@ -335,26 +341,40 @@ class BlockManager:
             self.pinned.append(b)
         return len(hits) * self.block_size
 
-    def adopt_pinned(self, token_ids: list[int]) -> list[int]:
-        """Fresh blocks for the full blocks of `token_ids`, cached under their hashes and pinned, as `pin` leaves
-        computed ones; returns their ids. The caller writes their KV (from a store) before any step reads them,
-        after the copies this may have decided (`take_copies`: evicted blocks are copied out first)."""
+    def adopt_pinned(self, token_ids: list[int]) -> list[tuple[int, bool]]:
+        """Pins the full blocks of `token_ids` as `pin` pins computed ones: a block already cached on the device is
+        pinned as it is, the others are fresh blocks, cached under their hashes. Returns (block id, fresh) per
+        block: the caller writes the fresh ones' KV (from a store) before any step reads them, after the copies
+        this may have decided (`take_copies`: evicted blocks are copied out first), or `unpin` them all."""
         bs = self.block_size
         hashes = self._chain_hashes(token_ids, [])
-        ids = []
+        out = []
         for i, h in enumerate(hashes):
-            if h in self.cached:  # already on the device (an identical block): pin that one
-                b = self.cached[h]
+            key = (hashes[i - 1] if i else 0, tuple(token_ids[i * bs : (i + 1) * bs]))
+            b = self.cached.get(h)
+            if b is not None and b.key == key:
                 if b.ref_count == 0:
                     self._take(b)
                 b.ref_count += 1
+                out.append((b.id, False))
             else:
                 b = self._fresh()
-                b.hash, b.key = h, (hashes[i - 1] if i else 0, tuple(token_ids[i * bs : (i + 1) * bs]))
+                b.hash, b.key = h, key
                 self.cached[h] = b
+                out.append((b.id, True))
             self.pinned.append(b)
-            ids.append(b.id)
-        return ids
+        return out
+
+    def unpin(self, adopted: list[tuple[int, bool]]) -> None:
+        """Undoes `adopt_pinned` (its KV could not be written): fresh blocks leave the cache, all are released."""
+        for bid, fresh in adopted:
+            b = self.blocks[bid]
+            self.pinned.remove(b)
+            if fresh:
+                self._evict(b)
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                self._release(b)
 
     # -- checks ----------------------------------------------------------------------------
 

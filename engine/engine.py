@@ -163,7 +163,7 @@ class LLMEngine:
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         started = time.perf_counter()  # a step's whole time is a running stream's inter-token latency
         batch = self.scheduler.schedule()
-        self._copy_blocks()  # the host tier's copies this batch's allocations decided, before its forward
+        copy_s = self._copy_blocks()  # the host tier's copies this batch's allocations decided, before its forward
         if not batch:
             return outputs
         samples = batch.samples()
@@ -191,7 +191,8 @@ class LLMEngine:
                 outputs.append(self.fail(req.request_id, e))
             j += sampled
         if self.config.itl_slo_ms is not None:
-            self.scheduler.step_cost.observe(*cost_x, time.perf_counter() - started)
+            # NOTE: without the host tier's copies, which the model does not know (they scale with hits, not tokens)
+            self.scheduler.step_cost.observe(*cost_x, time.perf_counter() - started - copy_s)
         return outputs
 
     # -- when the model fails ----------------------------------------------------------------
@@ -247,10 +248,14 @@ class LLMEngine:
                 found += inner or [batch.reqs[i] for i in half]
         return found
 
-    def _copy_blocks(self) -> None:
+    def _copy_blocks(self) -> float:
+        """Makes the copies the block manager decided; returns the seconds they took."""
         offloads, loads = self.block_manager.take_copies()
-        if offloads or loads:
-            self.runner.copy_blocks(offloads, loads)
+        if not (offloads or loads):
+            return 0.0
+        before = self.runner.copy_seconds
+        self.runner.copy_blocks(offloads, loads)
+        return self.runner.copy_seconds - before
 
     def _count_prompt_tokens(self, batch: Batch) -> None:
         for r, n in zip(batch.reqs, batch.num_new_tokens):
@@ -347,10 +352,17 @@ class LLMEngine:
             )
         store = self._prefix_store()
         full = len(token_ids) // bm.block_size
-        if store is not None and full and (kv := store.load(token_ids)) is not None:
-            ids = bm.adopt_pinned(token_ids)
-            self._copy_blocks()  # blocks it evicted go to the host tier before they are overwritten
-            self.runner.write_blocks(ids, *kv)
+        k0 = self.runner.kv_caches[0][0]
+        shape = (len(self.runner.kv_caches), full, *k0.shape[1:])  # what this engine's pool holds of them
+        if store is not None and full and (kv := store.load(token_ids, shape)) is not None:
+            adopted = bm.adopt_pinned(token_ids)
+            try:
+                self._copy_blocks()  # blocks it evicted go to the host tier before they are overwritten
+                fresh = [i for i, (_, is_fresh) in enumerate(adopted) if is_fresh]
+                self.runner.write_blocks([adopted[i][0] for i in fresh], kv[0][:, fresh], kv[1][:, fresh])
+            except BaseException:
+                bm.unpin(adopted)
+                raise
             log.info("pinned %d tokens from the prefix store (%s)", full * bm.block_size, store.path(token_ids))
             return full * bm.block_size
         self.generate([token_ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -359,8 +371,8 @@ class LLMEngine:
             try:
                 path = store.save(token_ids, *self.runner.read_blocks([b.id for b in bm.pinned[-full:]]))
                 log.info("stored the KV of %d pinned tokens in %s", n, path)
-            except OSError as e:  # a read-only $SLUICE_HOME costs the next start a recomputation, nothing else
-                log.warning("cannot write the prefix store: %s", e)
+            except Exception as e:  # a full or read-only $SLUICE_HOME costs the next start a recomputation, nothing else
+                log.warning("cannot write the prefix store: %s: %s", type(e).__name__, e)
         return n
 
     def _prefix_store(self) -> PrefixStore | None:

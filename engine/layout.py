@@ -65,5 +65,5 @@ def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dty
                 f"max_model_len={max_model_len} needs more KV than {num_blocks} blocks x {block_size} tokens = {capacity}; "
                 "raise num_kv_blocks or lower max_model_len"
             )
-    return Layout(device, dtype, block_size, num_blocks, max_model_len,
-                  int(config.kv_offload_gb * (1 << 30)) // bytes_per_block)
+    host = int(config.kv_offload_gb * (1 << 30)) // bytes_per_block if config.enable_prefix_caching else 0
+    return Layout(device, dtype, block_size, num_blocks, max_model_len, host)

@@ -34,11 +34,12 @@ class ModelRunner:
         ]
         self.max_blocks_per_seq = -(-layout.max_model_len // layout.block_size)
         pin = device.type == "cuda"
-        # the host tier (engine/block_manager.py): slots in host memory, pinned on CUDA, the same layout per layer
+        # the host tier (engine/block_manager.py): slots in host memory, the same layout per layer. NOTE: not pinned:
+        # the copies go through pageable temporaries anyway, and torch's pinned allocator rounds every tensor up
+        # to a power of two (a 40 GiB tier could pin 64)
         host_shape = (layout.num_host_blocks, *shape[1:])
         self.host_caches = [
-            (torch.zeros(host_shape, dtype=dtype, pin_memory=pin), torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
-            for _ in range(cfg.num_layers)
+            (torch.zeros(host_shape, dtype=dtype), torch.zeros(host_shape, dtype=dtype)) for _ in range(cfg.num_layers)
         ] if layout.num_host_blocks else []
         self.copy_seconds = 0.0  # spent in copy_blocks
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
@@ -97,8 +98,8 @@ class ModelRunner:
     def copy_blocks(self, offloads: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
         """Before a forward: device blocks to host slots (`offloads`), then host slots to device blocks (`loads`).
 
-        NOTE: on CUDA the copies run on the compute stream (the device-to-host one waits for it); a side stream
-        that overlaps them with the previous step is not built yet."""
+        NOTE: on CUDA they are synchronous (the host waits for them); pinned staging buffers and a side stream that
+        would overlap them with the step are not built yet."""
         t = time.perf_counter()
         dev = self.device
         if offloads:
@@ -117,9 +118,9 @@ class ModelRunner:
 
     def read_blocks(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of these blocks, every layer: `[layers, len(ids), block_size, kv_heads, head_dim]` each, on the host."""
-        idx = torch.tensor(ids, device=self.device)
-        return (torch.stack([k.index_select(0, idx) for k, _ in self.kv_caches]).cpu(),
-                torch.stack([v.index_select(0, idx) for _, v in self.kv_caches]).cpu())
+        idx = torch.tensor(ids, device=self.device)  # one layer at a time to the host: no device-sized stack
+        return (torch.stack([k.index_select(0, idx).cpu() for k, _ in self.kv_caches]),
+                torch.stack([v.index_select(0, idx).cpu() for _, v in self.kv_caches]))
 
     def write_blocks(self, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """The inverse of `read_blocks`."""

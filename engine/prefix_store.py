@@ -2,20 +2,23 @@
 
 One safetensors file per prefix under `ROOT/<model identity>/<dtype>-bs<block size>/<tokens hash>.safetensors`: the
 K and V of its full blocks, every layer, `[layers, blocks, block_size, kv_heads, head_dim]`. The key holds what the
-KV depends on: the model (its config and weight files: names, sizes, modification times), the dtype, the block size
-and the token ids. Its metadata repeats them with a SHA-256 of the tensors' bytes; a file whose metadata or digest
-does not match is refused (and replaced by the caller), never used. Writes go to a temporary file, then rename.
+KV depends on: the model (its config and weight files: names, sizes, modification times), the code that computes
+it (engine/models/ and the kernels' sources), the dtype, the block size and the token ids. Its metadata repeats them
+with a SHA-256 of the tensors' bytes; a file whose metadata, shape or digest does not match is refused (and
+replaced by the caller), never used. Writes go to a temporary file of their own, then rename.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 log = logging.getLogger("sluice.prefix_store")
@@ -23,10 +26,20 @@ log = logging.getLogger("sluice.prefix_store")
 FORMAT = "sluice-prefix-kv-1"
 
 
+@functools.cache
+def code_identity() -> str:
+    """A digest of the sources that compute KV (the model code and the kernels): an upgrade is another store."""
+    roots = [Path(__file__).parent / "models", Path(__file__).parent.parent / "kernels"]
+    h = hashlib.sha256(FORMAT.encode())
+    for p in sorted(f for r in roots for f in r.rglob("*") if f.suffix in (".py", ".cpp", ".h")):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
 def model_identity(model_dir: Path) -> str:
-    """A digest of what the model's KV depends on, cheap to compute for any size: config.json's bytes and each
-    weight file's name, size and modification time (a changed file is another model)."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    """A digest of what the model's KV depends on, cheap to compute for any size: config.json's bytes, each weight
+    file's name, size and modification time (a changed file is another model) and the code's identity."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes() + code_identity().encode())
     for p in sorted(model_dir.glob("*.safetensors")):
         st = p.stat()
         h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -36,7 +49,7 @@ def model_identity(model_dir: Path) -> str:
 def _digest(k: torch.Tensor, v: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in (k, v):
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.contiguous().view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -55,26 +68,28 @@ class PrefixStore:
     def path(self, token_ids: list[int]) -> Path:
         return self.dir / f"{self._meta(token_ids)['tokens'][:32]}.safetensors"
 
-    def load(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The stored K and V of `token_ids`' full blocks, or None: not stored, or refused (the log says why)."""
+    def load(self, token_ids: list[int], shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored K and V of `token_ids`' full blocks, each of `shape` (layers, blocks, block size, KV heads,
+        head dim), or None: not stored, or refused (the log says why)."""
         path = self.path(token_ids)
         if not path.is_file():
             return None
         try:
-            with open(path, "rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            meta = header.get("__metadata__", {})
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
             tensors = load_file(path)
-        except (OSError, ValueError, SafetensorError) as e:
-            log.warning("prefix store: refusing %s: unreadable (%s)", path, e)
+        except Exception as e:  # noqa: BLE001 — whatever is wrong with the file, it is not used
+            log.warning("prefix store: refusing %s: unreadable (%s: %s)", path, type(e).__name__, e)
             return None
         want = self._meta(token_ids)
         k, v = tensors.get("k"), tensors.get("v")
-        n = len(token_ids) // self.block_size
         if any(meta.get(key) != value for key, value in want.items()):
-            log.warning("prefix store: refusing %s: made for another model, dtype, block size or prompt", path)
+            log.warning("prefix store: refusing %s: made for another model, code, dtype, block size or prompt", path)
             return None
-        if k is None or v is None or k.shape != v.shape or k.shape[1] != n or meta.get("sha256") != _digest(k, v):
+        if k is None or v is None or tuple(k.shape) != tuple(shape) or tuple(v.shape) != tuple(shape):
+            log.warning("prefix store: refusing %s: its tensors are not %s", path, tuple(shape))
+            return None
+        if meta.get("sha256") != _digest(k, v):
             log.warning("prefix store: refusing %s: its contents do not match its digest (corrupt)", path)
             return None
         return k, v
@@ -82,8 +97,13 @@ class PrefixStore:
     def save(self, token_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> Path:
         path = self.path(token_ids)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        k, v = k.contiguous().cpu(), v.contiguous().cpu()
-        save_file({"k": k, "v": v}, tmp, metadata={**self._meta(token_ids), "sha256": _digest(k, v)})
-        tmp.replace(path)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            k, v = k.contiguous().cpu(), v.contiguous().cpu()
+            save_file({"k": k, "v": v}, tmp, metadata={**self._meta(token_ids), "sha256": _digest(k, v)})
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path

@@ -378,17 +378,20 @@ ops_strategy = st.lists(  # weighted towards traffic, so the small pool runs dry
     threshold=st.one_of(st.none(), st.integers(1, 16)),
     partial=st.integers(1, 3),
     prefix_caching=st.booleans(),
+    eviction=st.sampled_from(["lru", "slru"]),
+    host_blocks=st.sampled_from([0, 1, 3]),
     ops=ops_strategy,
     data=st.data(),
 )
 def test_random_traffic_keeps_the_pool_consistent(
-    policy, block_size, num_blocks, max_num_seqs, budget, threshold, partial, prefix_caching, ops, data
+    policy, block_size, num_blocks, max_num_seqs, budget, threshold, partial, prefix_caching, eviction, host_blocks,
+    ops, data
 ):
     max_len = num_blocks * block_size  # the engine's rule: one request always fits in the pool
     cfg = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=budget, scheduling=policy, long_prefill_token_threshold=threshold,
                        max_num_partial_prefills=partial, enable_prefix_caching=prefix_caching)
-    bm = BlockManager(num_blocks, block_size, prefix_caching)
+    bm = BlockManager(num_blocks, block_size, prefix_caching, host_blocks, eviction)
     sched = Scheduler(cfg, bm, max_len)
     step_budget = budget if policy == "mixed" else sched.whole_prompt_budget
     prefixes = [[], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4], [1, 2, 3, 4, 9, 9, 9, 9], [5] * 16]
@@ -400,6 +403,8 @@ def test_random_traffic_keeps_the_pool_consistent(
 
     def step() -> None:
         rec = fake_step(sched, max_len, token)
+        offloads, loads = bm.take_copies()  # each slot and block written at most once a step
+        assert len({s for _, s in offloads}) == len(offloads) and len({b for _, b in loads}) == len(loads)
         assert rec.num_tokens <= step_budget and len(rec.entries) <= max_num_seqs
         assert all(n >= 1 for _, n, _ in rec.entries)
         if policy == "mixed":

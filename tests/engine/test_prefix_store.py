@@ -21,13 +21,17 @@ def make(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
 
     def make(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256,
-                                      **kw))
+        return LLMEngine(EngineConfig(**{"model": str(tiny_model_dir), "dtype": "float32", "num_kv_blocks": 64,
+                                         "max_model_len": 256, **kw}))
     return make
 
 
 def _store(eng: LLMEngine) -> PrefixStore:
     return eng._prefix_store()
+
+
+def _shape(eng: LLMEngine, tokens: list[int]) -> tuple[int, ...]:
+    return (len(eng.runner.kv_caches), len(tokens) // 16, *eng.runner.kv_caches[0][0].shape[1:])
 
 
 def _answer(eng: LLMEngine):
@@ -75,15 +79,19 @@ def test_a_store_made_for_another_model_or_prompt_is_never_used(make, tiny_model
     other.mkdir()
     config = (tiny_model_dir / "config.json").read_text().replace('"rms_norm_eps"', '"rms_norm_eps_"')
     (other / "config.json").write_text(config)
+    shape = _shape(first, SYSTEM)
     foreign = PrefixStore(store.dir.parents[1], other, first.dtype, 16)
-    assert foreign.model != store.model and foreign.load(SYSTEM) is None  # another model: another key
+    assert foreign.model != store.model and foreign.load(SYSTEM, shape) is None  # another model: another key
     foreign.dir.mkdir(parents=True)
     shutil.copy(store.path(SYSTEM), foreign.path(SYSTEM))  # the file, put where that model looks
-    assert foreign.load(SYSTEM) is None and "another model" in caplog.text
+    assert foreign.load(SYSTEM, shape) is None and "another model" in caplog.text
     shorter = SYSTEM[:-20]
     shutil.copy(store.path(SYSTEM), store.path(shorter))  # another prompt's name on it
-    assert store.load(shorter) is None
-    assert PrefixStore(store.dir.parents[1], tiny_model_dir, torch.bfloat16, 16).load(SYSTEM) is None  # dtype
+    assert store.load(shorter, _shape(first, shorter)) is None
+    assert PrefixStore(store.dir.parents[1], tiny_model_dir, torch.bfloat16, 16).load(SYSTEM, shape) is None  # dtype
+    assert store.load(SYSTEM, (shape[0] + 1, *shape[1:])) is None and "are not" in caplog.text  # another shape
+    store.path(SYSTEM).write_bytes(b"\xff" * 64)  # not even a header
+    assert store.load(SYSTEM, shape) is None and "unreadable" in caplog.text
 
 
 def test_no_store_when_turned_off(make) -> None:
@@ -91,3 +99,29 @@ def test_no_store_when_turned_off(make) -> None:
     eng.pin_prefix(SYSTEM)
     assert eng._prefix_store() is None
     assert not any(make()._prefix_store().dir.parent.parent.parent.glob("**/*.safetensors"))
+
+
+def test_prompts_sharing_blocks_and_bfloat16(make) -> None:
+    """A second pinned prompt that shares the first one's leading blocks pins them as they are (on the device
+    already) and loads only its own; bfloat16 KV round-trips exactly."""
+    other = SYSTEM[:64] + [5 + (i * 7) % 900 for i in range(40)]  # 4 blocks shared, 2 of its own
+    first = make(dtype="bfloat16")
+    first.pin_prefix(SYSTEM)
+    first.pin_prefix(other)
+    expected = [first.generate([p + [7, 8]], GREEDY)[0].token_ids for p in (SYSTEM, other)]
+    second = make(dtype="bfloat16")
+    second.pin_prefix(SYSTEM)
+    assert second.pin_prefix(other) == 96 and second.stats()["prompt_tokens_computed"] == 0
+    assert [second.generate([p + [7, 8]], GREEDY)[0].token_ids for p in (SYSTEM, other)] == expected
+    assert len({b.id for b in second.block_manager.pinned}) == 8  # 6 + 2: the shared four pinned twice
+    second.check_integrity()
+
+
+def test_a_store_that_cannot_be_written_costs_nothing_but_the_store(make, monkeypatch, caplog) -> None:
+    def refuse(*args, **kwargs):
+        raise RuntimeError("I/O error: no space left on device")  # as safetensors reports it: not an OSError
+
+    monkeypatch.setattr(PrefixStore, "save", refuse)
+    eng = make()
+    assert eng.pin_prefix(SYSTEM) == 96 and "cannot write the prefix store" in caplog.text
+    assert _answer(eng).num_cached_tokens == 96

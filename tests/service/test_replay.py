@@ -209,23 +209,24 @@ async def test_a_rebuilt_engine_stuck_before_its_first_step_gives_up(tiny_model_
 
 
 async def test_tokens_computed_but_never_delivered_are_computed_again(tiny_model_dir, reference) -> None:
-    """The engine dies in the middle of a step's outputs: earlier requests of the step have their new token (and
-    a seeded one its generator moved) but nothing reached the loop. The checkpoints are what was delivered, so
-    the replay computes those tokens again: every text is the unfaulted run's."""
+    """The engine fails after a step made its outputs and before they reached the loop (here: the stats the engine
+    thread sends with them): every request of that step has its new token (a seeded one its generator moved) but
+    nothing was delivered. The checkpoints are what was delivered, so the replay computes those tokens again:
+    every text is the unfaulted run's."""
     expected = await asyncio.get_running_loop().run_in_executor(None, reference, 9)
     fired = threading.Event()
 
     def factory() -> LLMEngine:
         eng = LLMEngine(engine_config(tiny_model_dir))
-        append = eng._append_token
+        stats = eng.stats
 
-        def append_or_die(req, token, logprob):
-            if not fired.is_set() and req.request_id == "7" and req.num_output_tokens >= 4:
+        def stats_or_die():
+            if not fired.is_set() and eng.generation_tokens >= 9 * 4:
                 fired.set()
-                raise RuntimeError("injected failure in the middle of a step's outputs")
-            return append(req, token, logprob)
+                raise RuntimeError("injected failure between a step's outputs and their delivery")
+            return stats()
 
-        eng._append_token = append_or_die
+        eng.stats = stats_or_die
         return eng
 
     b = await started_bridge(factory)
