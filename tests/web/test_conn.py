@@ -11,11 +11,13 @@ from tests.web.common import KEY, LONG, STREAMING
 
 def test_dropped_socket_marks_streaming_chats_cut_off_then_reconnects(ui):
     page = ui.page
-    routes = []
+    routes, held = [], []
 
     def forward(ws):
-        server = ws.connect_to_server()
-        routes.append((ws, server))
+        if routes:  # the reconnect: held (open to the page, no server yet) until the test has seen it waiting
+            held.append(ws)
+            return
+        routes.append((ws, ws.connect_to_server()))
 
     page.route_web_socket(re.compile(r"/v1/ws(\?|$)"), forward)
     ui.open()
@@ -32,8 +34,11 @@ def test_dropped_socket_marks_streaming_chats_cut_off_then_reconnects(ui):
     expect(answer.locator('[data-stat="finish"]')).to_have_text("cut off")
     expect(page.locator("#conn")).to_have_attribute("data-state", re.compile("waiting|connecting"))
     expect(page.locator("#conn-text")).to_contain_text(re.compile("retrying|Connecting"))
-    ui.wait_connected()  # backoff, then a fresh socket
-    assert len(routes) == 2
+    expect(page.locator("#conn")).to_have_attribute("data-state", "connecting", timeout=60_000)  # backoff, then held
+    ws = held[0]
+    routes.append((ws, ws.connect_to_server()))  # the server says `ready` (no key asked)
+    ui.wait_connected()
+    assert len(routes) == 2 and len(held) == 1
     answer.locator('[data-action="regenerate"]').click()
     expect(ui.last_answer()).to_have_attribute("data-status", STREAMING)
     page.click("#send")
