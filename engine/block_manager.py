@@ -365,6 +365,26 @@ class BlockManager:
             self.pinned.append(b)
         return out
 
+    def adopt_cache(self, old: BlockManager) -> None:
+        """A new manager over `old`'s pool (the same tensors, its KV intact): every block `old` had cached is cached
+        here too, free, in `old`'s recency order (blocks held then count as the most recent); the rest are evicted
+        first. Nothing is held or pinned (pins are made again)."""
+        assert not self.cached and self.num_free_blocks == self.num_blocks, "adopt_cache is for a new manager"
+        held = [b for b in old.blocks if b.ref_count and b.hash is not None and old.cached.get(b.hash) is b]
+        order = [b for q in (old.free_queue, old.protected) for b in q if b.hash is not None] + held
+        for q in (self.free_queue, self.protected):
+            for b in list(q):
+                q.remove(b)
+        cached_ids = {b.id for b in order}
+        for b in self.blocks:
+            if b.id not in cached_ids:
+                self.free_queue.append(b)
+        for ob in order:
+            b = self.blocks[ob.id]
+            b.hash, b.key, b.hits = ob.hash, ob.key, ob.hits
+            self.cached[b.hash] = b
+            self._release(b)
+
     def unpin(self, adopted: list[tuple[int, bool]]) -> None:
         """Undoes `adopt_pinned` (its KV could not be written): fresh blocks leave the cache, all are released."""
         for bid, fresh in adopted:

@@ -46,8 +46,10 @@ class DeviceError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None, layout: Layout | None = None):
-        """`model`, `layout`: the weights and KV layout of an engine this one replaces (`rebuilt`)."""
+    def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None, layout: Layout | None = None,
+                 kv_caches: list | None = None):
+        """`model`, `layout`, `kv_caches`: the weights, KV layout and KV pool of an engine this one replaces
+        (`rebuilt`)."""
         self.config = config
         self.model_dir = model_dir = default_model_dir() if config.model is None else Path(config.model)
         self.model_name = model_dir.name
@@ -64,7 +66,7 @@ class LLMEngine:
                                           layout.num_host_blocks, config.kv_eviction)
         self.scheduler = Scheduler(config, self.block_manager, layout.max_model_len)
         self.runner = ModelRunner(self.model, layout=layout, max_num_tokens=self.scheduler.whole_prompt_budget,
-                                  max_num_seqs=config.max_num_seqs, seed=config.seed)
+                                  max_num_seqs=config.max_num_seqs, seed=config.seed, kv_caches=kv_caches)
         if self.device.type == "cpu" and kernels.MODE == "auto":
             kernels.cpu.load(sluice_home() / "build")  # the native CPU kernels; the torch twins if that fails
         self.attention_backend = kernels.attention_backend(self.device)
@@ -85,16 +87,22 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return self.processor.chat_ids(messages)
 
-    def rebuilt(self) -> LLMEngine:
-        """A new engine over this one's weights (on the same device): an empty KV pool, scheduler and prefix
-        cache. For resuming requests (`add_request(..., resume=)`) after this engine failed. Its counters go on
-        from this one's, so a process's counters (`/metrics`) never go back. Its KV layout is this one's (same
-        blocks, same `max_model_len`: what the checkpoints were made under). This engine's pools are let go first (a
-        step still running on them keeps them until it returns), so the new ones can take their memory."""
+    def rebuilt(self, keep_cache: bool = False) -> LLMEngine:
+        """A new engine over this one's weights (on the same device): a new scheduler, and an empty KV pool and
+        prefix cache, or with `keep_cache` this engine's pool and the blocks its prefix cache holds (when its KV
+        can be trusted: this engine failed outside the model, and nothing runs on it any more). For resuming
+        requests (`add_request(..., resume=)`) after this engine failed: with the cache kept, a request finds its
+        prompt and given tokens' full blocks there. Its counters go on from this one's, so a process's counters
+        (`/metrics`) never go back. Its KV layout is this one's (same blocks, same `max_model_len`: what the
+        checkpoints were made under). Pools not kept are let go first (a step still running on them keeps them
+        until it returns), so the new ones can take their memory."""
+        kept = self.runner.kv_caches if keep_cache and self.config.enable_prefix_caching else None
         self.runner.kv_caches, self.runner.host_caches = [], []
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and kept is None:
             torch.cuda.empty_cache()  # else the allocator keeps the old pool reserved
-        new = LLMEngine(self.config, model=self.model, layout=self.layout)
+        new = LLMEngine(self.config, model=self.model, layout=self.layout, kv_caches=kept)
+        if kept is not None:
+            new.block_manager.adopt_cache(self.block_manager)
         new.num_steps, new.prompt_tokens_computed, new.generation_tokens = (
             self.num_steps, self.prompt_tokens_computed, self.generation_tokens)
         new.scheduler.num_preemptions = self.scheduler.num_preemptions

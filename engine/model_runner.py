@@ -19,8 +19,10 @@ from engine.scheduler import Batch
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, *, layout: Layout, max_num_tokens: int, max_num_seqs: int, seed: int):
-        """`max_num_tokens`, `max_num_seqs`: the most tokens and sequences one step may hold."""
+    def __init__(self, model: LlamaModel, *, layout: Layout, max_num_tokens: int, max_num_seqs: int, seed: int,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        """`max_num_tokens`, `max_num_seqs`: the most tokens and sequences one step may hold. `kv_caches`: the pool
+        of a runner this one replaces, kept with what it holds (else a new one)."""
         cfg, device, dtype = model.cfg, layout.device, layout.dtype
         self.model = model
         self.block_size = layout.block_size
@@ -28,7 +30,7 @@ class ModelRunner:
         shape = (layout.num_blocks, layout.block_size, cfg.num_kv_heads, cfg.head_dim)
         # NOTE: zeros, not empty: padded block-table entries point at block 0, and stale values
         # must be finite so a masked-out score (weight 0) never turns into 0 * NaN.
-        self.kv_caches = [
+        self.kv_caches = kv_caches or [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]

@@ -180,8 +180,8 @@ class EngineBridge:
         for handle in list(self._handles.values()):
             self._finish(handle, None, RequestError("internal", message))
 
-    def on_lost(self, message: str) -> None:
-        self._replace(message)
+    def on_lost(self, message: str, kv_intact: bool) -> None:
+        self._replace(message, keep_cache=kv_intact)
 
     async def _watch(self) -> None:
         """The watchdog: an engine whose step has run past `step_timeout` is stuck (a hung device or kernel)."""
@@ -193,9 +193,10 @@ class EngineBridge:
                 self._replace(f"the engine has been busy for {now - since:.1f} s, more than the "
                               f"{self._step_timeout:g} s allowed (--engine-iteration-timeout-s)", stuck=True)
 
-    def _replace(self, reason: str, stuck: bool = False) -> None:
+    def _replace(self, reason: str, stuck: bool = False, keep_cache: bool = False) -> None:
         """The engine failed or is stuck: a new engine thread resumes every request the old one held, from its
-        checkpoint (its caller sees a pause), or, after too many failures in the window, the service gives up."""
+        checkpoint (its caller sees a pause), or, after too many failures in the window, the service gives up.
+        `keep_cache`: the old engine's thread has ended and its KV is sound: the new one keeps its prefix cache."""
         old = self._engine
         assert old is not None
         old.abandon()  # from now on nothing of it reaches this loop, even what it queued already
@@ -214,7 +215,7 @@ class EngineBridge:
         if self._metrics:
             self._metrics.engine_restarts.inc()
         # NOTE: the old engine goes through a holder the rebuild empties, so nothing keeps it (its weights) alive
-        thread = EngineThread(partial(_rebuild, [old.engine] if old.engine else [], self._factory), self,
+        thread = EngineThread(partial(_rebuild, [old.engine] if old.engine else [], self._factory, keep_cache), self,
                               asyncio.get_running_loop(), self._pinned, replacement=True)
         for rid, sent in list(self._sent.items()):
             handle = self._handles[rid]
@@ -280,13 +281,13 @@ class EngineBridge:
         handle.notify()
 
 
-def _rebuild(holder: list[LLMEngine], factory: Callable[[], LLMEngine]) -> LLMEngine:
-    """On the new engine thread: a new engine over the old one's weights (taken out of `holder`); loaded again if
-    that fails, the old engine let go first."""
+def _rebuild(holder: list[LLMEngine], factory: Callable[[], LLMEngine], keep_cache: bool = False) -> LLMEngine:
+    """On the new engine thread: a new engine over the old one's weights (taken out of `holder`), and its prefix
+    cache with `keep_cache`; loaded again if that fails, the old engine let go first."""
     if holder:
         old = holder.pop()
         try:
-            return old.rebuilt()
+            return old.rebuilt(keep_cache)
         except Exception:
             log.exception("a new engine over the old weights failed; loading the model again")
         del old

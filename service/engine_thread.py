@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine import Checkpoint, LLMEngine, PromptTooLongError, RequestOutput, SamplingParams, StepError
+from engine import Checkpoint, DeviceError, LLMEngine, PromptTooLongError, RequestOutput, SamplingParams, StepError
 from engine.processor import InputProcessor
 from service.handle import TokenLogprobs
 from service.protocol import ErrorCode
@@ -96,7 +96,7 @@ class Listener(Protocol):
     def on_ready(self, ready: EngineReady) -> None: ...
     def on_step(self, result: StepResult) -> None: ...
     def on_fatal(self, message: str) -> None: ...
-    def on_lost(self, message: str) -> None: ...
+    def on_lost(self, message: str, kv_intact: bool) -> None: ...
 
 
 class EngineThread:
@@ -169,7 +169,10 @@ class EngineThread:
         except BaseException as e:  # NOTE: the thread must never die silently; the loop decides what comes next
             log.exception("the engine failed")
             try:
-                self._post(self._listener.on_lost, f"the engine failed: {type(e).__name__}: {e}")
+                # the KV it cached is sound unless the device failed: the model never ran for what it committed
+                # after a failure, and this thread touches nothing once it has said so
+                self._post(self._listener.on_lost, f"the engine failed: {type(e).__name__}: {e}",
+                           not isinstance(e, DeviceError))
             except SystemExit:
                 pass
 

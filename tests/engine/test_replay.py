@@ -143,3 +143,37 @@ def test_a_rebuilt_engine_keeps_the_layout_and_starts_calm(make):
     new.generate([_prompt(50)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert new.scheduler.pressure.mode == "normal"
     assert new.stats()["scheduler_mode_changes"] == eng.stats()["scheduler_mode_changes"]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "slru"])
+def test_a_rebuilt_engine_that_keeps_the_cache_resumes_from_it(make, eviction):
+    """After a failure outside the model the old pool's KV is sound: the new engine keeps it and the prefix cache,
+    so resumed requests find their prompts and given tokens there, and go on exactly as the unfaulted run."""
+    reqs = _requests("\x00never")
+    clean_eng, clean = make(), {}
+    for rid, ids, p in reqs:
+        clean_eng.add_request(rid, ids, p)
+    _run(clean_eng, clean)
+
+    first = LLMEngine(EngineConfig(**{**vars(make().config), "kv_eviction": eviction}))
+    given = {}
+    for rid, ids, p in reqs:
+        first.add_request(rid, ids, p)
+    _run(first, given, until=lambda acc: len(acc) == len(reqs) and all(len(a[0]) >= 18 for a in acc.values()))
+    second = first.rebuilt(keep_cache=True)
+    assert second.runner.kv_caches and not first.runner.kv_caches  # the pool moved over
+    second.check_integrity()
+    for rid, ids, p in reqs:
+        second.add_request(rid, ids, p, resume=given[rid][2].copy())
+        req = second.requests[rid]  # every full block of its prompt and given tokens is in the kept cache
+        assert len(second.block_manager.match_prefix(req)) == (req.num_tokens - 1) // 16, rid
+    before = second.stats()["prompt_tokens_computed"]
+    after = {}
+    _run(second, after)
+    for rid, _, _ in reqs:
+        assert given[rid][0] + after[rid][0] == clean[rid][0], rid
+        assert given[rid][1] + after[rid][1] == clean[rid][1], rid
+    # each request recomputed at most its last partial block (plus one token), not its prompt and tokens
+    assert second.stats()["prompt_tokens_computed"] - before <= len(reqs) * 16
+    second.check_integrity()
+    assert second.stats()["num_free_kv_blocks"] == second.stats()["num_kv_blocks"]

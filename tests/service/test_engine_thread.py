@@ -35,8 +35,9 @@ class Recorder:
         self.fatal = message
         self.changed.set()
 
-    def on_lost(self, message: str) -> None:
+    def on_lost(self, message: str, kv_intact: bool) -> None:
         self.lost = message
+        self.kv_intact = kv_intact
         self.changed.set()
 
     def finished(self) -> dict[str, str]:
@@ -141,6 +142,7 @@ async def test_a_failure_outside_the_model_ends_the_thread_as_lost(started) -> N
     eng.scheduler.schedule = broken
     await rec.until(lambda: rec.lost is not None)
     assert "scheduler broken" in rec.lost and rec.fatal is None and not rec.failures()
+    assert rec.kv_intact  # the model never ran wrong: a new engine may keep the cache
     await asyncio.get_running_loop().run_in_executor(None, thread.join, 10)
     assert not thread._thread.is_alive() and "long" in eng.requests  # intact, for whoever resumes it
 
@@ -175,3 +177,17 @@ async def test_a_request_whose_output_fails_fails_alone(started, monkeypatch) ->
     await rec.until(lambda: "bad" in rec.failures() and "good" in rec.finished())
     assert rec.failures()["bad"].code == "internal" and rec.finished()["good"] == "length"
     assert rec.lost is None and rec.fatal is None and not eng.requests
+
+
+async def test_a_device_that_fails_everything_loses_the_engine_and_its_kv(started) -> None:
+    thread, rec, eng = started
+    thread.send(Add("long", _ids(8), LONG, fit_max_tokens=True))
+    await rec.until(lambda: any(d.request_id == "long" and d.num_new_tokens for s in rec.steps for d in s.deliveries))
+
+    def dead(batch, samples):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    eng.runner.device_ok = lambda: False
+    eng.runner.run = dead
+    await rec.until(lambda: rec.lost is not None)
+    assert "DeviceError" in rec.lost and not rec.kv_intact and not rec.failures()

@@ -175,7 +175,7 @@ async def test_a_request_that_kills_every_engine_fails_alone_then_repeated_failu
     def dying(hold_until: int = 1) -> LLMEngine:
         return Fault(hold_until, when=lambda eng: True).wrap(LLMEngine(engine_config(tiny_model_dir)))
 
-    monkeypatch.setattr(LLMEngine, "rebuilt", lambda self: dying())
+    monkeypatch.setattr(LLMEngine, "rebuilt", lambda self, keep_cache=False: dying())
     b = await started_bridge(lambda: dying(2))  # the first engine waits for both requests
     try:
         got = await run_all(b, requests(2))
@@ -196,7 +196,7 @@ async def test_a_rebuilt_engine_stuck_before_its_first_step_gives_up(tiny_model_
         faults.append(Fault(hold_until=1, when=lambda eng: True, hang=True))
         return faults[-1].wrap(LLMEngine(engine_config(tiny_model_dir)))
 
-    monkeypatch.setattr(LLMEngine, "rebuilt", lambda self: hanging())
+    monkeypatch.setattr(LLMEngine, "rebuilt", lambda self, keep_cache=False: hanging())
     b = await started_bridge(hanging, step_timeout=1.0)
     try:
         got = await run_all(b, requests(1))
