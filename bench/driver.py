@@ -76,6 +76,15 @@ COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num
              "prompt_tokens_computed", "generation_tokens", "host_cache_hits", "host_copy_seconds")
 
 
+def calibrate_capacity(system: EngineSystem, warmup: list[Req], calibration: list[Req],
+                       progress: bool = True) -> float:
+    """Requests/s `system` serves when `calibration` arrives all at once, after `warmup` (a cold engine would time
+    its first-call setup, not its capacity)."""
+    system.run(warmup, desc="warm-up calibration", progress=progress)
+    tr = system.run(calibration, desc="calibrating capacity", progress=progress)
+    return len(calibration) / (tr.end - tr.start)
+
+
 def drive(eng: LLMEngine, reqs: list[Req], desc: str, progress: bool = True,
           on_step: Callable[[Trace, float], list[Req]] | None = None) -> Trace:
     """Adds each request when its arrival time passes and steps the engine until all finish.

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import matplotlib.pyplot as plt
-import numpy as np
-
 from bench import report
 from bench.common import Run, model_config
-from bench.driver import EngineSystem, Req, Trace, measure, summarize
+from bench.driver import EngineSystem, Req, calibrate_capacity, measure, summarize
 from engine import EngineConfig
 
 
@@ -64,9 +61,8 @@ def main(run: Run) -> dict:
 
     lru, slru = system("lru"), system("slru")
     systems = [slru, lru]
-    lru.run(chats(run, WARMUP, "warm-cal", vocab, 2, None), desc="warm-up calibration", progress=run.progress)
-    cal = lru.run(chats(run, sz, "cal", vocab, sz.calibration_chats, None), desc="calibrating", progress=run.progress)
-    rate = sz.load * sz.calibration_chats / (cal.end - cal.start)
+    rate = sz.load * calibrate_capacity(lru, chats(run, WARMUP, "warm-cal", vocab, 2, None),
+                                        chats(run, sz, "cal", vocab, sz.calibration_chats, None), run.progress)
     rows, traces = measure(
         systems,
         workload=lambda tag: chats(run, sz, tag, vocab, sz.num_chats, rate),
@@ -83,22 +79,9 @@ def main(run: Run) -> dict:
     ]
 
     def plot():
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        for name, color in (("slru", "#4c72b0"), ("lru", "#999999")):
-            tr: Trace | None = traces.get(name)
-            if tr is None:
-                continue
-            x = np.sort([1000 * tr.ttft(r) for r in tr.arrival if tr.tokens.get(r)])
-            ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", color=color,
-                    label=f"{name} (p50 {by[name]['ttft_p50_ms']:,.0f} ms)")
-        ax.set_xscale("log")
-        ax.set_xlabel("time to first token, ms (log)")
-        ax.set_ylabel("fraction of chats")
-        ax.set_title(f"evict: {sz.hot} hot {sz.system_prompt}-token prompts among one-off {sz.one_off}-token ones, "
-                     f"{sz.pool_blocks} blocks", fontsize=9)
-        ax.legend(fontsize=8, loc="lower right")
-        ax.grid(alpha=0.3)
-        return fig
+        return report.ttft_cdf(traces, by, (("slru", "#4c72b0"), ("lru", "#999999")),
+                               f"evict: {sz.hot} hot {sz.system_prompt}-token prompts among one-off {sz.one_off}-token "
+                               f"ones, {sz.pool_blocks} blocks")
 
     report.write(run, "evict", rows,
                  columns=["ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "prefix_hit_rate", "prompt_tokens_computed",

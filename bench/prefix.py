@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import matplotlib.pyplot as plt
-import numpy as np
-
 from bench import report
 from bench.common import Run, model_config
-from bench.driver import EngineSystem, Req, Trace, measure, summarize
+from bench.driver import EngineSystem, Req, Trace, calibrate_capacity, measure, summarize
 from engine import EngineConfig
 
 
@@ -61,10 +58,8 @@ def main(run: Run) -> dict:
 
     on, off = system("prefix-cache-on", True), system("prefix-cache-off", False)
     systems = [on, off]
-    # A cold engine would time its first-call setup, not its capacity: warm it before calibrating.
-    off.run(chats(run, WARMUP, "warm-cal", vocab, WARMUP.num_chats, None), desc="warm-up calibration", progress=run.progress)
-    cal = off.run(chats(run, sz, "cal", vocab, sz.calibration_chats, None), desc="calibrating capacity", progress=run.progress)
-    capacity = sz.calibration_chats / (cal.end - cal.start)  # chats/s with the cache off
+    capacity = calibrate_capacity(off, chats(run, WARMUP, "warm-cal", vocab, WARMUP.num_chats, None),
+                                  chats(run, sz, "cal", vocab, sz.calibration_chats, None), run.progress)  # cache off
     rate = sz.load * capacity
 
     def row(s, tr: Trace) -> dict:
@@ -87,22 +82,9 @@ def main(run: Run) -> dict:
     ]
 
     def plot():
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        for name, color in (("prefix-cache-on", "#4c72b0"), ("prefix-cache-off", "#999999")):
-            tr = traces.get(name)
-            if tr is None:
-                continue
-            x = np.sort([1000 * tr.ttft(r) for r in tr.arrival if tr.tokens.get(r)])
-            ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", color=color,
-                    label=f"{name} (p50 {by[name]['ttft_p50_ms']:,.0f} ms)")
-        ax.set_xscale("log")
-        ax.set_xlabel("time to first token, ms (log)")
-        ax.set_ylabel("fraction of chats")
-        ax.set_title(f"prefix: {sz.num_chats} chats, {sz.system_prompt}-token shared system prompt, "
-                     f"Poisson {rate:.2f}/s ({sz.load:.0%} of cache-off capacity)", fontsize=9)
-        ax.legend(fontsize=8, loc="lower right")
-        ax.grid(alpha=0.3)
-        return fig
+        return report.ttft_cdf(traces, by, (("prefix-cache-on", "#4c72b0"), ("prefix-cache-off", "#999999")),
+                               f"prefix: {sz.num_chats} chats, {sz.system_prompt}-token shared system prompt, "
+                               f"Poisson {rate:.2f}/s ({sz.load:.0%} of cache-off capacity)")
 
     report.write(
         run, "prefix", rows,

@@ -23,9 +23,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-import matplotlib.pyplot as plt
-import numpy as np
-
 from bench import report
 from bench.common import Run, model_config
 from bench.driver import ms, pct, sampling
@@ -184,18 +181,12 @@ def main(run: Run) -> dict:
     ]
 
     def plot():
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        for r, color in zip(rows, ("#999999", "#4c72b0", "#dd8452", "#55a868")):
-            x = np.sort(r["resumed_ms"])
-            ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", color=color,
-                    label=f"{r['system']} (max {r['resumed_max_ms']:,.0f} ms)")
-        ax.set_xlabel("ms from the engine's death to the chat's next new token (start-over: from arrival)")
-        ax.set_ylabel("fraction of chats")
-        ax.set_title(f"replay: {sz.num_chats} chats, {sz.system_prompt}-token shared system prompt, "
-                     f"death after {sz.trigger} tokens each", fontsize=9)
-        ax.legend(fontsize=8, loc="lower right")
-        ax.grid(alpha=0.3)
-        return fig
+        return report.cdf_figure(
+            [(f"{r['system']} (max {r['resumed_max_ms']:,.0f} ms)", r["resumed_ms"], color)
+             for r, color in zip(rows, ("#999999", "#4c72b0", "#dd8452", "#55a868"))],
+            "ms from the engine's death to the chat's next new token (start-over: from arrival)",
+            f"replay: {sz.num_chats} chats, {sz.system_prompt}-token shared system prompt, "
+            f"death after {sz.trigger} tokens each")
 
     report.write(run, "replay", rows,
                  columns=["rebuild_ms", "first_resumed_ms", "resumed_p50_ms", "resumed_max_ms", "itl_p50_ms",

@@ -9,12 +9,14 @@ import json
 import re
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # headless: never needs a display
 import matplotlib.pyplot as plt
+import numpy as np
 
 from bench.common import RESULTS_DIR, Run, host_line
 
@@ -48,6 +50,30 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:,.3f}" if abs(v) < 1 else f"{v:,.1f}"
     return str(v)
+
+
+def cdf_figure(series: Sequence[tuple[str, Sequence[float], str]], xlabel: str, title: str, log_x: bool = False):
+    """One step line per (label, values, color): the fraction of chats whose value is at most x."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for label, values, color in series:
+        x = np.sort(np.asarray(values, dtype=float))
+        ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", color=color, label=label)
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of chats")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def ttft_cdf(traces: dict, rows: dict[str, dict], colors: Sequence[tuple[str, str]], title: str):
+    """`cdf_figure` of the time to first token of each system in `colors` (name, color) that has a trace."""
+    series = [(f"{name} (p50 {rows[name]['ttft_p50_ms']:,.0f} ms)",
+               [1000 * traces[name].ttft(r) for r in traces[name].arrival if traces[name].tokens.get(r)], color)
+              for name, color in colors if name in traces]
+    return cdf_figure(series, "time to first token, ms (log)", title, log_x=True)
 
 
 def markdown(result: dict, columns: list[str]) -> str:

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import matplotlib.pyplot as plt
-import numpy as np
-
 from bench import report
 from bench.common import Run, model_config
-from bench.driver import EngineSystem, Req, Trace, measure, summarize
+from bench.driver import EngineSystem, Req, Trace, calibrate_capacity, measure, summarize
 from engine import EngineConfig
 
 
@@ -73,12 +70,9 @@ def main(run: Run) -> dict:
 
     host, device = system("host-tier", host_gb), system("device-only", 0.0)
     systems = [host, device]
-    device.run(chats(run, WARMUP, "warm-cal", vocab, 2, None, salt="warm"), desc="warm-up calibration",
-               progress=run.progress)
-    cal = device.run(chats(run, sz, "cal", vocab, sz.calibration_chats, None, salt="cal"), desc="calibrating capacity",
-                     progress=run.progress)
-    capacity = sz.calibration_chats / (cal.end - cal.start)  # chats/s without the host tier
-    rate = sz.load * capacity
+    capacity = calibrate_capacity(device, chats(run, WARMUP, "warm-cal", vocab, 2, None, salt="warm"),
+                                  chats(run, sz, "cal", vocab, sz.calibration_chats, None, salt="cal"), run.progress)
+    rate = sz.load * capacity  # of the system without the host tier
 
     def row(s, tr: Trace) -> dict:
         return summarize(s.name, tr, arrival_rate_per_s=round(rate, 3), host_cache_hits=tr.stats["host_cache_hits"],
@@ -103,22 +97,9 @@ def main(run: Run) -> dict:
     ]
 
     def plot():
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        for name, color in (("host-tier", "#4c72b0"), ("device-only", "#999999")):
-            tr = traces.get(name)
-            if tr is None:
-                continue
-            x = np.sort([1000 * tr.ttft(r) for r in tr.arrival if tr.tokens.get(r)])
-            ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", color=color,
-                    label=f"{name} (p50 {by[name]['ttft_p50_ms']:,.0f} ms)")
-        ax.set_xscale("log")
-        ax.set_xlabel("time to first token, ms (log)")
-        ax.set_ylabel("fraction of chats")
-        ax.set_title(f"tiers: {sz.num_chats} chats on {sz.num_prompts} system prompts of {sz.system_prompt} tokens, "
-                     f"a pool of {device_blocks(sz)} blocks", fontsize=9)
-        ax.legend(fontsize=8, loc="lower right")
-        ax.grid(alpha=0.3)
-        return fig
+        return report.ttft_cdf(traces, by, (("host-tier", "#4c72b0"), ("device-only", "#999999")),
+                               f"tiers: {sz.num_chats} chats on {sz.num_prompts} system prompts of {sz.system_prompt} "
+                               f"tokens, a pool of {device_blocks(sz)} blocks")
 
     report.write(
         run, "tiers", rows,

@@ -21,16 +21,19 @@ SYSTEMS = {
 }
 
 
-@pytest.fixture(scope="module")
-def results(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bench")
+def quick(workloads, model: Path, out: Path) -> Path:
+    """`python -m bench WORKLOADS --quick` on `model` into `out`, which it returns; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", *SYSTEMS, "--quick", "--no-progress", "--model", str(tiny_model_dir),
-         "--out", str(out)],
+        [sys.executable, "-m", "bench", *workloads, "--quick", "--no-progress", "--model", str(model), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir, tmp_path_factory) -> Path:
+    return quick(SYSTEMS, tiny_model_dir, tmp_path_factory.mktemp("bench"))
 
 
 @pytest.mark.parametrize("workload", sorted(SYSTEMS))
@@ -91,13 +94,7 @@ def test_paired_ratio_is_the_median_of_same_round_ratios() -> None:
 def test_replay_resumes_every_chat_whole(tiny_model_dir, tmp_path) -> None:
     """The quick replay run: each replay row rebuilt the engine once, every chat got every token once, and the
     float32 texts equal the unfaulted run's (the bench's own targets)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "replay", "--quick", "--no-progress", "--model", str(tiny_model_dir),
-         "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((tmp_path / "replay.json").read_text())
+    data = json.loads((quick(["replay"], tiny_model_dir, tmp_path) / "replay.json").read_text())
     rows = {r["system"]: r for r in data["rows"]}
     assert set(rows) == {"start-over", "replay", "replay-no-prefix-cache", "replay-float32"}
     assert all(r["whole"] for r in rows.values()) and rows["start-over"]["restarts"] == 0
@@ -110,13 +107,7 @@ def test_replay_resumes_every_chat_whole(tiny_model_dir, tmp_path) -> None:
 
 
 def test_restart_loads_the_pinned_prompt_from_the_store(tiny_model_dir, tmp_path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "restart", "--quick", "--no-progress", "--model", str(tiny_model_dir),
-         "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((tmp_path / "restart.json").read_text())
+    data = json.loads((quick(["restart"], tiny_model_dir, tmp_path) / "restart.json").read_text())
     rows = {r["system"]: r for r in data["rows"]}
     store, none = rows["store"], rows["no-store"]
     assert store["prompt_tokens_computed"] < none["prompt_tokens_computed"]  # the prompt came from the store
