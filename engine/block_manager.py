@@ -12,7 +12,7 @@ before the step's forward (offloads first: a block handed out again may be one b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from engine.request import Request
@@ -229,19 +229,21 @@ class BlockManager:
 
     # -- allocation ------------------------------------------------------------------------
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: PrefixHits | Sequence[Block] = ()) -> bool:
-        device = cached.blocks if isinstance(cached, PrefixHits) else cached
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: PrefixHits | None = None) -> bool:
+        cached = cached or PrefixHits()
         num_computed = req.num_computed_tokens + len(cached) * self.block_size
-        fresh = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_table) - len(device)
-        revived = sum(1 for b in device if b.ref_count == 0)
+        fresh = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_table) - len(cached.blocks)
+        revived = sum(1 for b in cached.blocks if b.ref_count == 0)
         return max(fresh, 0) + revived <= self.num_free_blocks
 
-    def allocate(self, req: Request, num_new_tokens: int, cached: PrefixHits | Sequence[Block] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, cached: PrefixHits | None = None) -> bool:
+        """`cached`: `match_prefix(req)`, on admission."""
+        cached = cached or PrefixHits()
         if cached:
             assert not req.block_table and req.num_computed_tokens == 0, f"{req}: prefix hits are for admission only"
         if not self.can_allocate(req, num_new_tokens, cached):
             return False
-        device, host = (cached.blocks, cached.host) if isinstance(cached, PrefixHits) else (cached, [])
+        device, host = cached.blocks, cached.host
         for b in device:
             if b.ref_count == 0:
                 self._take(b)
