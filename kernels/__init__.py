@@ -19,21 +19,22 @@ if MODE not in ("auto", "triton", "torch"):
     raise ValueError(f"SLUICE_KERNELS must be auto, triton or torch, not {MODE!r}")
 
 
-def _backend(op: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Who runs `op` on tensors of `dtype` on `device`: "triton", "cpu-native" or "torch" (the twin).
+def _backend(op: str, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> str:
+    """Who runs `op` on tensors of `dtype` on `device` (and a KV cache of `cache_dtype`): "triton", "cpu-native" or
+    "torch" (the twin).
 
     NOTE: reads the module global MODE per call: bench/gpu_check.py flips it to time the twins.
     """
     if MODE == "triton" or (MODE == "auto" and device.type == "cuda"):
         return "triton"
-    if MODE == "auto" and device.type == "cpu" and cpu.supports(op, dtype):
+    if MODE == "auto" and device.type == "cpu" and cpu.supports(op, dtype, cache_dtype):
         return "cpu-native"
     return "torch"
 
 
-def _impl(op: str, t: torch.Tensor) -> Callable:
-    """`op` of the backend that serves tensors like `t`."""
-    backend = _backend(op, t.device, t.dtype)
+def _impl(op: str, t: torch.Tensor, cache_dtype: torch.dtype | None = None) -> Callable:
+    """`op` of the backend that serves tensors like `t` (and a KV cache of `cache_dtype`)."""
+    backend = _backend(op, t.device, t.dtype, cache_dtype)
     if backend == "triton":
         # imported on first use: CPU-only installs never import triton
         from kernels import triton
@@ -42,9 +43,11 @@ def _impl(op: str, t: torch.Tensor) -> Callable:
     return getattr(cpu if backend == "cpu-native" else reference, op)
 
 
-def attention_backend(device: torch.device) -> str:
-    """Which implementation `paged_attention` uses for tensors on `device`: triton, cpu-native or torch."""
-    return _backend("paged_attention", device, torch.float32)  # the native one serves fp32, bf16 and fp16 alike
+def attention_backend(device: torch.device, dtype: torch.dtype = torch.float32,
+                      cache_dtype: torch.dtype | None = None) -> str:
+    """Which implementation `paged_attention` uses for `dtype` tensors on `device` and a cache of `cache_dtype`
+    (default: `dtype`): triton, cpu-native or torch."""
+    return _backend("paged_attention", device, dtype, cache_dtype)
 
 
 def paged_attention(
@@ -55,14 +58,18 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32
     seq_lens: torch.Tensor,  # [B] int32, context length including the new tokens
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] fp32, for int8 / fp8 caches
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new tokens over its paged context; one call serves a mixed batch.
 
     The i-th new token of sequence b (of q_len_b) sits at position `seq_lens[b] - q_len_b + i` and attends
     to the positions up to its own, read through `block_tables[b]`; decodes have q_len 1. GQA: Hq is a
-    multiple of Hkv.
+    multiple of Hkv. The caches may hold another dtype than q; a quantized one (`reference.QMAX`) comes with
+    its scales, and a cached row reads as `k_cache[...] * k_scale[...]`.
     """
-    return _impl("paged_attention", q)(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    return _impl("paged_attention", q, k_cache.dtype)(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                                      scale, k_scale, v_scale)
 
 
 def store_kv(
@@ -71,9 +78,14 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] fp32, for int8 / fp8 caches
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes row t of k and v into the caches at `slot_mapping[t] = block * block_size + offset`; -1 skips it."""
-    _impl("store_kv", k)(k, v, k_cache, v_cache, slot_mapping)
+    """Writes row t of k and v into the caches at `slot_mapping[t] = block * block_size + offset`; -1 skips it.
+
+    Converted to the caches' dtype; into a quantized one as `reference.quantize` does, its scales into the
+    scale tensors at the same slots."""
+    _impl("store_kv", k, k_cache.dtype)(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def rms_norm(

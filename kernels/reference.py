@@ -8,6 +8,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The quantized cache dtypes and the largest magnitude each holds: a token's head is scaled so its largest
+# element lands there (docs/architecture.md §8, Quantized KV).
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` [T, H, D] -> (q [T, H, D] of `dtype`, scale [T, H] fp32) with `x ~= q * scale`: one scale per token and
+    head, `max|x| / QMAX`. int8 rounds half away from zero; fp8 rounds to nearest even. Every backend does this."""
+    qmax = QMAX[dtype]
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = amax / qmax
+    # NOTE: a tensor over a tensor: `qmax / amax` would be `amax.reciprocal() * qmax`, rounded differently
+    inv = torch.full_like(amax, qmax) / torch.where(amax > 0, amax, 1.0)
+    y = xf * torch.where(amax > 0, inv, 0.0)[..., None]
+    if dtype == torch.int8:
+        y = (y + torch.copysign(torch.full_like(y, 0.5), y)).trunc()
+    return y.clamp(-qmax, qmax).to(dtype), scale
+
 
 def store_kv(
     k: torch.Tensor,  # [T, Hkv, D]
@@ -15,19 +34,32 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int, slot = block * block_size + offset; -1 skips
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] fp32: quantized caches only
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x = x[keep]
+        if scales is not None:
+            x, s = quantize(x, cache.dtype)
+            scales.view(-1, scales.shape[2]).index_copy_(0, slots, s)
+        # NOTE: through bytes: index_copy_ has no fp8 kernel on CPU
+        cache.view(-1, *cache.shape[2:]).view(torch.uint8).index_copy_(0, slots, x.to(cache.dtype).view(torch.uint8))
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """Rows of the first `num_blocks` blocks of each table: [B, num_blocks * block_size, Hkv, D]."""
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int, dtype: torch.dtype,
+            scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of the first `num_blocks` blocks of each table, as `dtype` (dequantized with `scales` where given):
+    [B, num_blocks * block_size, Hkv, D]."""
     nb_total, bs = cache.shape[:2]
     idx = block_table[..., :num_blocks].reshape(-1).long()
     # NOTE: index_select on a 2-D view copies whole blocks at once; ~10x faster than fancy indexing.
-    return cache.view(nb_total, -1).index_select(0, idx).view(-1, num_blocks * bs, *cache.shape[2:])
+    rows = cache.view(nb_total, -1).index_select(0, idx).view(-1, num_blocks * bs, *cache.shape[2:])
+    if scales is None:
+        return rows.to(dtype)
+    s = scales.view(nb_total, -1).index_select(0, idx).view(-1, num_blocks * bs, scales.shape[2], 1)
+    return (rows.float() * s).to(dtype)
 
 
 def paged_attention(
@@ -38,6 +70,8 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32
     seq_lens: torch.Tensor,  # [B] int32, context length including the new tokens
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] fp32: quantized caches only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     Hq = q.shape[1]
     Hkv, bs = k_cache.shape[2], k_cache.shape[1]
@@ -58,8 +92,8 @@ def paged_attention(
             continue
         nb = -(-max(lens[b] for b in grp) // bs)
         idx = torch.tensor(grp)
-        k = _gather(k_cache, block_tables[idx], nb).transpose(1, 2)  # (B, Hkv, L, D)
-        v = _gather(v_cache, block_tables[idx], nb).transpose(1, 2)
+        k = _gather(k_cache, block_tables[idx], nb, q.dtype, k_scale).transpose(1, 2)  # (B, Hkv, L, D)
+        v = _gather(v_cache, block_tables[idx], nb, q.dtype, v_scale).transpose(1, 2)
         rows = torch.tensor([cu[b] for b in grp])
         dev = q.device  # SDPA refuses a CPU mask for CUDA inputs
         mask = torch.arange(nb * bs, device=dev)[None, :] < torch.tensor([lens[b] for b in grp], device=dev)[:, None]
@@ -72,8 +106,8 @@ def paged_attention(
         if n == 0 or b in done:
             continue
         L = lens[b]
-        k = _gather(k_cache, block_tables[b], -(-L // bs))[:, :L].transpose(1, 2)  # (1, Hkv, L, D)
-        v = _gather(v_cache, block_tables[b], -(-L // bs))[:, :L].transpose(1, 2)
+        k = _gather(k_cache, block_tables[b], -(-L // bs), q.dtype, k_scale)[:, :L].transpose(1, 2)  # (1, Hkv, L, D)
+        v = _gather(v_cache, block_tables[b], -(-L // bs), q.dtype, v_scale)[:, :L].transpose(1, 2)
         # NOTE: 4-D, not 3-D: CPU SDPA sends 3-D inputs to the math path (an n x L score matrix per head).
         qb = q[cu[b] : cu[b + 1]].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
         if n == L or n == 1:

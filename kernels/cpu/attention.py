@@ -4,7 +4,8 @@ The torch twin gathers every sequence's KV blocks into a fresh tensor per layer 
 CPU that copy was most of a decode step. Prefill chunks longer than `MAX_Q_LEN` go, in bf16 on CPUs
 with AMX, to `csrc/prefill_attention_amx.cpp` (one pass over the paged context in tile matmuls);
 elsewhere they gather and take CPU SDPA's flash kernel, twice (context, then the chunk itself, causal),
-merged. Bad inputs raise before anything is read.
+merged. A quantized cache (int8, fp8) is read in place by the native kernel; prefill chunks gather it
+dequantized. Bad inputs raise before anything is read.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import itertools
 import torch
 
 from kernels import reference
-from kernels.cpu.binding import DTYPES, ERRORS, UNSUPPORTED, Native, need
+from kernels.cpu.binding import DTYPES, ERRORS, QUANTIZED, UNSUPPORTED, Native, need
 
 MAX_Q_LEN = 16  # longer query runs (prefill chunks) go to _prefill_attention
 
@@ -26,6 +27,8 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] fp32: quantized caches only
+    v_scale: torch.Tensor | None = None,
     max_q_len: int = MAX_Q_LEN,
     lib: Native | None = None,
 ) -> torch.Tensor:
@@ -34,8 +37,17 @@ def paged_attention(
     T, Hq, D = q.shape
     nb, bs, Hkv, Dk = k_cache.shape
     B = seq_lens.shape[0]
-    if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in DTYPES):
-        raise TypeError(f"q, k_cache, v_cache must share one of {list(DTYPES)}: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    quant = k_cache.dtype in QUANTIZED
+    if not (q.dtype in DTYPES and k_cache.dtype == v_cache.dtype and (quant or k_cache.dtype == q.dtype)):
+        raise TypeError(f"q must be one of {list(DTYPES)} and the caches q's dtype or one of {list(QUANTIZED)}: "
+                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if quant != (k_scale is not None) or quant != (v_scale is not None):
+        raise TypeError("k_scale and v_scale come with a quantized cache, and only with one")
+    if quant:
+        if not (k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape == (nb, bs, Hkv)):
+            raise ValueError(f"k_scale and v_scale must be fp32 [{nb}, {bs}, {Hkv}]: {tuple(k_scale.shape)}, "
+                             f"{tuple(v_scale.shape)}")
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     if v_cache.shape != k_cache.shape or Dk != D or Hq % Hkv:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     if block_tables.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int32 or seq_lens.dtype != torch.int32:
@@ -52,6 +64,8 @@ def paged_attention(
     out = torch.empty_like(q)
     err = lib.paged_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPES[q.dtype],
+        QUANTIZED[k_cache.dtype] if quant else DTYPES[q.dtype], k_scale.data_ptr() if quant else None,
+        v_scale.data_ptr() if quant else None,
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), B,
         Hq, Hkv, D, bs, nb, float(scale), max_q_len, torch.get_num_threads(),
@@ -64,7 +78,7 @@ def paged_attention(
             if n > L:  # as the native kernel checks the shorter ones
                 raise ValueError(f"paged_attention: {ERRORS[2]}")
             out[cu[b] : cu[b + 1]] = _prefill_attention(q[cu[b] : cu[b + 1]], k_cache, v_cache, block_tables[b],
-                                                        L, scale, lib)
+                                                        L, scale, lib, k_scale, v_scale)
     return out
 
 
@@ -80,7 +94,7 @@ _FLASH = _flash_op()
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, L: int,
               lib: Native | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first L tokens of a sequence's K and V, head-major: two [1, Hkv, L, D] tensors."""
+    """The first L tokens of a sequence's K and V, head-major: two [1, Hkv, L, D] tensors of the caches' dtype."""
     lib = need(lib)
     nb, bs, Hkv, D = k_cache.shape
     if table.dtype != torch.int32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -97,16 +111,24 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
 
 
 def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                       L: int, scale: float, lib: Native) -> torch.Tensor:
+                       L: int, scale: float, lib: Native, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """n new tokens at positions L-n..L-1 of one sequence -> [n, Hq, D].
 
     bf16 with AMX and a head dim that is a multiple of 64 (up to 256): the native AMX kernel, one pass.
     Otherwise SDPA's flash kernel; its causal mask is aligned top-left, a chunk's is bottom-right, so
     instead of an n x L mask (built per layer, and no masked tile skipped) this runs two flash passes:
     the chunk over its cached context (no mask) and over itself (causal, which is then aligned), merged
-    by their log-sum-exps.
+    by their log-sum-exps. A quantized cache is gathered and dequantized to q's dtype first.
     """
     n = q.shape[0]
+    if _FLASH is None:
+        return reference.paged_attention(q, k_cache, v_cache, table[None], torch.tensor([0, n], dtype=torch.int32),
+                                         torch.tensor([L], dtype=torch.int32), scale, k_scale, v_scale)
+    if k_scale is not None:
+        k, v = (reference._gather(c, table, -(-L // c.shape[1]), q.dtype, s)[:, :L].transpose(1, 2).contiguous()
+                for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+        return _flash_two_pass(q, k, v, L, scale)
     if lib.amx and q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 256:
         out = torch.empty_like(q)
         nb, bs, Hkv, D = k_cache.shape
@@ -118,10 +140,12 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
             return out
         if err != UNSUPPORTED:
             raise ValueError(f"paged_attention: {ERRORS.get(err, f'error {err}')}")
-    if _FLASH is None:
-        return reference.paged_attention(q, k_cache, v_cache, table[None], torch.tensor([0, n], dtype=torch.int32),
-                                         torch.tensor([L], dtype=torch.int32), scale)
-    k, v = gather_kv(k_cache, v_cache, table, L, lib)  # (1, Hkv, L, D)
+    return _flash_two_pass(q, *gather_kv(k_cache, v_cache, table, L, lib), L, scale)
+
+
+def _flash_two_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L: int, scale: float) -> torch.Tensor:
+    """q's n tokens at positions L-n..L-1 over k, v [1, Hkv, L, D]: the context pass and the causal pass, merged."""
+    n = q.shape[0]
     qb = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
     o, lse = _FLASH(qb, k[:, :, L - n :], v[:, :, L - n :], 0.0, True, scale=scale)
     if n < L:

@@ -18,6 +18,7 @@ from kernels.cpu.build import build
 log = logging.getLogger("sluice.kernels")
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/cpu_common.h Dtype
+QUANTIZED = {torch.int8: 3, torch.float8_e4m3fn: 4}  # cache-only dtypes, with a scale per token and KV head
 ERRORS = {
     1: "a block table entry is outside the KV cache",
     2: "a sequence's query length or context does not fit its block table",
@@ -35,6 +36,7 @@ class Native:
     rms_norm: ctypes._CFuncPtr
     rotary: ctypes._CFuncPtr
     store_kv: ctypes._CFuncPtr
+    store_kv_quant: ctypes._CFuncPtr
     silu_and_mul: ctypes._CFuncPtr
     gather_kv: ctypes._CFuncPtr
     prefill_attention: ctypes._CFuncPtr
@@ -55,11 +57,12 @@ def bind(so: Path) -> Native:
         return f
 
     return Native(
-        paged_attention=fn("sluice_paged_attention", ptr, ptr, ptr, ptr, i32, ptr, i64, i64, ptr, ptr, i64,
-                           i64, i64, i64, i64, i64, f32, i64, i32),
+        paged_attention=fn("sluice_paged_attention", ptr, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, i64, i64, ptr, ptr,
+                           i64, i64, i64, i64, i64, i64, f32, i64, i32),
         rms_norm=fn("sluice_rms_norm", ptr, ptr, ptr, ptr, ptr, i32, i64, i64, f32, i32),
         rotary=fn("sluice_rotary", ptr, ptr, ptr, ptr, i64, i32, i64, i64, i64, i64, i64, i32, i32),
         store_kv=fn("sluice_store_kv", ptr, ptr, ptr, ptr, ptr, i64, i64, i64),
+        store_kv_quant=fn("sluice_store_kv_quant", ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i64),
         silu_and_mul=fn("sluice_silu_and_mul", ptr, ptr, i32, i64, i64, i32),
         gather_kv=fn("sluice_gather_kv", ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i32),
         prefill_attention=fn("sluice_prefill_attention", ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
@@ -92,8 +95,11 @@ def amx() -> bool:
     return _lib is not None and _lib.amx
 
 
-def supports(op: str, dtype: torch.dtype) -> bool:
-    """Whether the loaded library serves `op` on CPU tensors of `dtype` (the dispatcher asks per call)."""
+def supports(op: str, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
+    """Whether the loaded library serves `op` on CPU tensors of `dtype` (the dispatcher asks per call), with a KV
+    cache of `cache_dtype` for the ops that take one: `dtype` itself or a quantized one."""
+    if cache_dtype not in (None, dtype) and cache_dtype not in QUANTIZED:
+        return False
     return _lib is not None and dtype in OP_DTYPES.get(op, OP_DTYPES["default"])
 
 

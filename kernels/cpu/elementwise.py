@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from kernels.cpu.binding import DTYPES, Native, need
+from kernels.cpu.binding import DTYPES, QUANTIZED, Native, need
 
 
 def rms_norm(
@@ -64,22 +64,35 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int, -1 skips
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] fp32: quantized caches only
+    v_scale: torch.Tensor | None = None,
     lib: Native | None = None,
 ) -> None:
     lib = need(lib)
     T = k.shape[0]
     row = k.shape[1:]
-    if (k.dtype != k_cache.dtype or v.dtype != k.dtype or v_cache.dtype != k.dtype or v.shape != k.shape
-            or k_cache.shape != v_cache.shape or k_cache.shape[2:] != row
+    quant = k_cache.dtype in QUANTIZED and k.dtype in DTYPES and k_scale is not None and v_scale is not None
+    if quant:
+        want = (*k_cache.shape[:3],)
+        quant = (k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape == want
+                 and k_scale.is_contiguous() and v_scale.is_contiguous())
+    if ((k.dtype != k_cache.dtype and not quant) or v.dtype != k.dtype or v_cache.dtype != k_cache.dtype
+            or v.shape != k.shape or k_cache.shape != v_cache.shape or k_cache.shape[2:] != row
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-        return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     k, v = k.contiguous(), v.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (T,):
         raise ValueError(f"slot_mapping must be [T={T}], got {tuple(slot_mapping.shape)}")
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if lib.store_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), T,
-                    k[0].numel() * k.element_size() if T else 0, num_slots):
+    if quant:
+        err = lib.store_kv_quant(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(),
+                                 v_scale.data_ptr(), slots.data_ptr(), T, row[0], row[1], DTYPES[k.dtype],
+                                 QUANTIZED[k_cache.dtype], num_slots)
+    else:
+        err = lib.store_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), T,
+                           k[0].numel() * k.element_size() if T else 0, num_slots)
+    if err:
         raise IndexError(f"a slot is outside the KV cache of {num_slots} slots")
 
 

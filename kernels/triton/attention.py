@@ -2,13 +2,16 @@
 
 A program owns `BLOCK_Q` query tokens of one sequence times every query head of one KV head's
 group, so each K/V tile is read once per group; softmax is online, in fp32, base 2. The launcher
-reads no device tensor (no host sync): the grid depends on tensor shapes only.
+reads no device tensor (no host sync): the grid depends on tensor shapes only. A quantized cache (int8,
+fp8) is read as stored: a key's scale multiplies its scores, a value's scale its softmax weights.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.reference import QMAX
 
 LOG2E = 1.4426950408889634
 # Split-KV only pays when a decode batch leaves most SMs idle; below this many cached tokens per
@@ -24,11 +27,12 @@ def _kv_tile(
     q,  # [M, D_PAD]
     kv_start, kv_hi, row_pos, qk_scale,
     k_base, v_base,  # k_cache / v_cache pointers offset to (block 0, slot 0, this kv head)
+    ks_base, vs_base,  # their scales, offset the same way (QUANT)
     bt_ptr,  # [max_blocks] int32: this sequence's block table row
-    stride_kb, stride_kt,
+    stride_kb, stride_kt, stride_sb, stride_st,
     offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, COMPUTE_DT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
 ):
     kpos = kv_start + offs_n  # [BLOCK_N] logical key positions
     if MASKED:
@@ -43,6 +47,10 @@ def _kv_tile(
     kv_off = off[:, None] + offs_d[None, :]  # [BLOCK_N, D_PAD]
     k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(COMPUTE_DT)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, BLOCK_N]
+    if QUANT:
+        s_off = blk.to(tl.int64) * stride_sb + (kpos % BLOCK_SIZE) * stride_st  # [BLOCK_N]
+        n_ok = kpos < kv_hi
+        s = s * tl.load(ks_base + s_off, mask=n_ok, other=0.0)[None, :]
     if MASKED:
         s = tl.where(n_mask[None, :] & (kpos[None, :] <= row_pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -50,6 +58,8 @@ def _kv_tile(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(COMPUTE_DT)
+    if QUANT:
+        p = p * tl.load(vs_base + s_off, mask=n_ok, other=0.0)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DT), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
@@ -62,16 +72,18 @@ def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
     v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    k_scale_ptr,  # [num_blocks, BLOCK_SIZE, Hkv] fp32 (QUANT)
+    v_scale_ptr,
     block_tables_ptr,  # [B, max_blocks] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32, context length including the new tokens
     qk_scale,  # softmax scale * log2(e)
     num_seqs, num_tokens, num_q_heads, split_len,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, stride_sb, stride_st,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, COMPUTE_DT: tl.constexpr, DOT_PREC: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, COMPUTE_DT: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -123,17 +135,21 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     k_base = k_cache_ptr + kvh * stride_kh
     v_base = v_cache_ptr + kvh * stride_kh
+    ks_base = k_scale_ptr + kvh  # a scale tensor's head stride is 1
+    vs_base = v_scale_ptr + kvh
     bt_ptr = block_tables_ptr + b * stride_bt
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(kv_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _kv_tile(
-            acc, m_i, l_i, q, start, kv_hi, row_pos, qk_scale, k_base, v_base, bt_ptr,
-            stride_kb, stride_kt, offs_n, offs_d, d_mask, BLOCK_SIZE, False, COMPUTE_DT, DOT_PREC,
+            acc, m_i, l_i, q, start, kv_hi, row_pos, qk_scale, k_base, v_base, ks_base, vs_base, bt_ptr,
+            stride_kb, stride_kt, stride_sb, stride_st, offs_n, offs_d, d_mask, BLOCK_SIZE, False, COMPUTE_DT,
+            DOT_PREC, QUANT,
         )
     for start in range(full_hi, kv_hi, BLOCK_N):
         acc, m_i, l_i = _kv_tile(
-            acc, m_i, l_i, q, start, kv_hi, row_pos, qk_scale, k_base, v_base, bt_ptr,
-            stride_kb, stride_kt, offs_n, offs_d, d_mask, BLOCK_SIZE, True, COMPUTE_DT, DOT_PREC,
+            acc, m_i, l_i, q, start, kv_hi, row_pos, qk_scale, k_base, v_base, ks_base, vs_base, bt_ptr,
+            stride_kb, stride_kt, stride_sb, stride_st, offs_n, offs_d, d_mask, BLOCK_SIZE, True, COMPUTE_DT,
+            DOT_PREC, QUANT,
         )
 
     io_mask = row_mask[:, None] & d_mask[None, :]
@@ -201,6 +217,8 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32
     seq_lens: torch.Tensor,  # [B] int32, context length including the new tokens
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] fp32: quantized caches only
+    v_scale: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,  # None: chosen from the batch shape; tests force it
     block_n: int | None = None,  # KV tile; tests shrink it to cross tiles with tiny shapes
@@ -211,7 +229,14 @@ def paged_attention(
     assert k_cache.shape == v_cache.shape and Dk == D, (q.shape, k_cache.shape, v_cache.shape)
     assert Hq % Hkv == 0, f"GQA needs Hq ({Hq}) to be a multiple of Hkv ({Hkv})"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
-    assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    quant = k_cache.dtype in QMAX
+    assert quant == (k_scale is not None) == (v_scale is not None), "scales come with a quantized cache only"
+    if quant:
+        assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.dtype == v_scale.dtype == torch.float32
+        assert k_scale.is_contiguous() and v_scale.is_contiguous(), "KV scales must be contiguous"
+    else:
+        k_scale = v_scale = k_cache  # unused by the kernel
     assert q.stride(2) == 1, "q's head dim must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
     assert block_size >= 1 and block_size & (block_size - 1) == 0, f"block_size {block_size} not a power of two"
@@ -248,13 +273,14 @@ def paged_attention(
         tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
 
     _paged_attention_kernel[(grid_q, Hkv, num_splits)](
-        out, part_acc, part_ml, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+        out, part_acc, part_ml, q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens,
         scale * LOG2E, B, T, Hq, split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        block_size * Hkv, Hkv,
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        COMPUTE_DT=compute_dt, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        COMPUTE_DT=compute_dt, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         num_warps=4 if head_dim_pad <= 64 else 8, num_stages=2,
     )
     if num_splits > 1:

@@ -73,3 +73,16 @@ def test_a_forward_on_native_ops_matches_the_twins(tiny_model_dir, monkeypatch):
     twins = eng.generate(prompts, params)
     for a, b in zip(native, twins, strict=True):
         assert a.token_ids == b.token_ids
+
+
+def test_the_cache_dtype_joins_the_dispatch(monkeypatch, native_builds):
+    """The native kernels read a cache of q's dtype or a quantized one; another float cache goes to the twin."""
+    monkeypatch.setattr(kernels, "MODE", "auto")
+    monkeypatch.setattr(binding, "_lib", native_builds["native"])
+    for cache in (None, torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+        assert kernels._backend("paged_attention", CPU, torch.bfloat16, cache) == "cpu-native"
+        assert kernels._backend("store_kv", CPU, torch.bfloat16, cache) == "cpu-native"
+    assert kernels._backend("paged_attention", CPU, torch.float32, torch.float16) == "torch"
+    assert kernels.attention_backend(CPU, torch.float32, torch.bfloat16) == "torch"
+    assert kernels.attention_backend(CPU, torch.bfloat16, torch.int8) == "cpu-native"
+    assert kernels._backend("paged_attention", CUDA, torch.bfloat16, torch.int8) == "triton"

@@ -8,7 +8,7 @@
 namespace sluice {
 
 
-enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };  // kernels/cpu/binding.py DTYPES
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kI8 = 3, kFP8 = 4 };  // kernels/cpu/binding.py DTYPES, CACHE_DTYPES
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -60,6 +60,23 @@ inline uint16_t f32_to_f16(float f) {  // round to nearest even
   return uint16_t(sign | (r >> 13));
 }
 
+// float8 e4m3fn (4 exponent bits, bias 7, 3 mantissa bits, no infinities): its bits, moved into a half's exponent
+// and mantissa fields, are a half 2^8 times smaller, subnormals included (NaN, never stored here, is not kept).
+inline float fp8_to_f32(uint8_t b) { return f16_to_f32(uint16_t((b & 0x80u) << 8 | (b & 0x7fu) << 7)) * 256.0f; }
+
+inline uint8_t f32_to_fp8(float f) {  // round to nearest even; beyond +-448, the largest finite, saturates
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const float a = std::fabs(f);
+  if (!(a < 448.0f)) return sign | 0x7eu;
+  if (a < 0.015625f) return sign | uint8_t(std::nearbyint(a * 512.0f));  // below 2^-6: steps of 2^-9 (8 = 2^-6)
+  uint32_t ua;
+  std::memcpy(&ua, &a, 4);
+  ua += 0x7ffffu + ((ua >> 20) & 1u);  // round 23 mantissa bits to 3
+  return sign | uint8_t(((ua >> 23) - 120u) << 3 | ((ua >> 20) & 7u));  // exponent: -127 + 7
+}
+
 // exp(x), branch-free so loops over it vectorize: 2^n * e^r with n = round(x / ln 2) and a degree-6
 // polynomial for e^r on [-ln2/2, ln2/2] (rel. err ~2e-7). x is clamped to [-87, 88]: below, the result
 // is ~1e-38 instead of 0 (negligible next to a softmax's max term, exp(0) = 1, and in silu).
@@ -94,6 +111,30 @@ struct F16 {
   using T = uint16_t;
   static float to(T x) { return f16_to_f32(x); }
   static T from(float x) { return f32_to_f16(x); }
+};
+
+// Quantized cache elements (kernels/reference.py quantize): the stored value; its scale lives beside the block.
+struct I8 {
+  using T = int8_t;
+  static constexpr float kMax = 127.0f;
+  static float to(T x) { return float(x); }
+  static T from(float x) {  // x within +-kMax: round half away from zero
+    const float r = std::trunc(x + std::copysign(0.5f, x));
+    return T(r > kMax ? kMax : (r < -kMax ? -kMax : r));
+  }
+};
+struct FP8 {
+  using T = uint8_t;
+  static constexpr float kMax = 448.0f;
+  static float to(T x) {
+    static const auto lut = [] {
+      struct { float v[256]; } t;
+      for (int i = 0; i < 256; ++i) t.v[i] = fp8_to_f32(uint8_t(i));
+      return t;
+    }();
+    return lut.v[x];
+  }
+  static T from(float x) { return f32_to_fp8(x); }
 };
 
 template <class E>

@@ -4,6 +4,7 @@
 // Rows are split over OpenMP threads only when there are enough of them to pay for waking the threads.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -105,6 +106,44 @@ auto by_dtype(int dtype, A... args) {
   }
 }
 
+// Rows of x ([T, H, D] of E) into a quantized cache of C, one scale per token and head, exactly as
+// kernels/reference.py quantize does: no multiply-add contraction, which would round differently.
+template <class E, class C>
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void quantize_rows(const typename E::T* x, typename C::T* cache, float* scales, const int64_t* slots, int64_t T,
+                   int64_t H, int64_t D) {
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      const typename E::T* row = x + (t * H + h) * D;
+      typename C::T* dst = cache + (slots[t] * H + h) * D;
+      float amax = 0.0f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(E::to(row[d])));
+      const float inv = amax > 0.0f ? C::kMax / amax : 0.0f;
+      for (int64_t d = 0; d < D; ++d) dst[d] = C::from(E::to(row[d]) * inv);
+      scales[slots[t] * H + h] = amax / C::kMax;
+    }
+  }
+}
+
+template <class E, class C>
+void quantize_kv(const void* k, const void* v, void* k_cache, void* v_cache, float* k_scales, float* v_scales,
+                 const int64_t* slots, int64_t T, int64_t H, int64_t D) {
+  using T_ = typename E::T;
+  using CT = typename C::T;
+  quantize_rows<E, C>(static_cast<const T_*>(k), static_cast<CT*>(k_cache), k_scales, slots, T, H, D);
+  quantize_rows<E, C>(static_cast<const T_*>(v), static_cast<CT*>(v_cache), v_scales, slots, T, H, D);
+}
+
+template <class E> struct Quantize {
+  template <class... A> static int run(int cache_dtype, A... a) {
+    if (cache_dtype == kFP8) quantize_kv<E, FP8>(a...);
+    else quantize_kv<E, I8>(a...);
+    return 0;
+  }
+};
 template <class E> struct RmsNorm { template <class... A> static int run(A... a) { rms_norm<E>(a...); return 0; } };
 template <class E> struct Rotary { template <class... A> static int run(A... a) { return rotary<E>(a...); } };
 template <class E> struct SiluAndMul { template <class... A> static int run(A... a) { silu_and_mul<E>(a...); return 0; } };
@@ -141,6 +180,17 @@ int sluice_store_kv(const void* k, const void* v, void* k_cache, void* v_cache, 
     std::memcpy(vc + slots[t] * row_bytes, vb + t * row_bytes, row_bytes);
   }
   return 0;
+}
+
+// Quantizes row t of k and v ([T, H, D] of `dtype`) into slot slots[t] of int8 or fp8 caches (`cache_dtype`),
+// their scales into k_scales / v_scales [num_slots, H]; -1 skips. Returns 1 (having written nothing) if a slot
+// is outside [-1, num_slots).
+int sluice_store_kv_quant(const void* k, const void* v, void* k_cache, void* v_cache, float* k_scales,
+                          float* v_scales, const int64_t* slots, int64_t T, int64_t H, int64_t D, int dtype,
+                          int cache_dtype, int64_t num_slots) {
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] < -1 || slots[t] >= num_slots) return 1;
+  return by_dtype<Quantize>(dtype, cache_dtype, k, v, k_cache, v_cache, k_scales, v_scales, slots, T, H, D);
 }
 
 // A prefill chunk's context, copied out of the paged caches head-major: k_out, v_out [Hkv, L, D] (what

@@ -11,6 +11,9 @@
 // registers and the scores of 16 keys come out of one transpose-and-add instead of 16 horizontal sums;
 // elsewhere the same loops are plain C++ that the compiler vectorizes. Items are scheduled
 // dynamically, as context lengths differ. (Software prefetch of the next block measured slower.)
+//
+// A quantized cache (int8 or fp8 e4m3, one fp32 scale per token and KV head) is read as is: a key's scale
+// multiplies its score, a value's scale its softmax weight, so no row is dequantized into memory.
 #include <omp.h>
 
 #if defined(__AVX512F__)
@@ -75,6 +78,15 @@ template <> inline __m512 load16<BF16>(const uint16_t* p) {
 }
 template <> inline __m512 load16<F16>(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <> inline __m512 load16<I8>(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+template <> inline __m512 load16<FP8>(const uint8_t* p) {  // as cpu_common.h fp8_to_f32: through a half
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 
 // Lane t of the result is the sum of the 16 lanes of v[t]: four levels of pairwise interleave-and-add.
@@ -144,17 +156,20 @@ struct Scratch {
 struct Args {
   void* out;
   const void *q, *k_cache, *v_cache;
+  const float *k_scales, *v_scales;  // [num_blocks, bs, Hkv] for a quantized cache, else null
   const int32_t *block_tables, *cu_seqlens_q, *seq_lens;
   int64_t bt_stride, max_blocks, num_seqs, Hq, Hkv, D, bs, num_blocks, max_q_len;
   float scale;
   int num_threads;
 };
 
-// DC: the head dim when known at compile time (64 and 128, the common ones), else 0.
-template <class E, int DC>
+// E: the element of q and out; C: of the cache (E, or a quantized one). DC: the head dim when known at compile
+// time (64 and 128, the common ones), else 0.
+template <class E, class C, int DC>
 int attend(const Args& a) {
   using T = typename E::T;
-  using Ops = RowOps<E, DC>;
+  using CT = typename C::T;
+  using Ops = RowOps<C, DC>;
   const int64_t D = DC ? DC : a.D, bs = a.bs, Hkv = a.Hkv, Hq = a.Hq, G = Hq / Hkv;
   const int64_t tok_stride = Hkv * D;  // elements between two tokens of one block in the cache
   const int64_t blk_stride = bs * tok_stride;
@@ -164,8 +179,8 @@ int attend(const Args& a) {
   const int64_t groups = Hkv / hpi;
   const int64_t items = a.num_seqs * groups;
   const T* q = static_cast<const T*>(a.q);
-  const T* kc = static_cast<const T*>(a.k_cache);
-  const T* vc = static_cast<const T*>(a.v_cache);
+  const CT* kc = static_cast<const CT*>(a.k_cache);
+  const CT* vc = static_cast<const CT*>(a.v_cache);
   T* out = static_cast<T*>(a.out);
   std::atomic<int> error{0};
 
@@ -211,7 +226,10 @@ int attend(const Args& a) {
           const int64_t nvis = std::min(ntok, L - nq + i - j * bs + 1);
           if (nvis <= 0) continue;
           const int64_t off = base + (h0 + hh) * D;
+          const int64_t soff = int64_t(table[j]) * bs * Hkv + h0 + hh;  // scale of (block, token 0, head)
           Ops::scores(qf + r * D, kc + off, tok_stride, nvis, D, w.row.data(), s);
+          if (a.k_scales)
+            for (int64_t t = 0; t < nvis; ++t) s[t] *= a.k_scales[soff + t * Hkv];
           float bmax = s[0];
           for (int64_t t = 1; t < nvis; ++t) bmax = s[t] > bmax ? s[t] : bmax;
           const float m_new = std::max(m[r], bmax);
@@ -221,6 +239,8 @@ int attend(const Args& a) {
           for (int64_t t = 0; t < nvis; ++t) sum += s[t];
           l[r] = l[r] * alpha + sum;
           m[r] = m_new;
+          if (a.v_scales)
+            for (int64_t t = 0; t < nvis; ++t) s[t] *= a.v_scales[soff + t * Hkv];
           Ops::weighted_sum(acc + r * D, alpha, s, vc + off, tok_stride, nvis, D, w.row.data());
         }
       }
@@ -236,12 +256,21 @@ int attend(const Args& a) {
   return error.load();
 }
 
-template <class E>
+template <class E, class C>
 int attend_any_dim(const Args& a) {
   switch (a.D) {
-    case 64: return attend<E, 64>(a);
-    case 128: return attend<E, 128>(a);
-    default: return attend<E, 0>(a);
+    case 64: return attend<E, C, 64>(a);
+    case 128: return attend<E, C, 128>(a);
+    default: return attend<E, C, 0>(a);
+  }
+}
+
+template <class E>
+int attend_any_cache(const Args& a, int cache_dtype) {
+  switch (cache_dtype) {
+    case kI8: return attend_any_dim<E, I8>(a);
+    case kFP8: return attend_any_dim<E, FP8>(a);
+    default: return attend_any_dim<E, E>(a);  // the wrapper checked it is q's dtype
   }
 }
 
@@ -251,19 +280,21 @@ extern "C" {
 
 // Returns 0, or: 1 a block id outside [0, num_blocks), 2 a sequence whose blocks or query length do not
 // fit its context (q_len > seq_len or seq_len > max_blocks * block_size). Nothing is read out of bounds:
-// an item checks its sequence before touching memory, and a failed item writes no output.
+// an item checks its sequence before touching memory, and a failed item writes no output. `cache_dtype`: the
+// caches' element, `dtype` or kI8 / kFP8 with their scales (null otherwise).
 int sluice_paged_attention(
     void* out, const void* q, const void* k_cache, const void* v_cache, int dtype,
+    int cache_dtype, const float* k_scales, const float* v_scales,
     const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks,
     const int32_t* cu_seqlens_q, const int32_t* seq_lens, int64_t num_seqs,
     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
     float scale, int64_t max_q_len, int num_threads) {
-  const Args a{out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, bt_stride, max_blocks, num_seqs,
+  const Args a{out, q, k_cache, v_cache, k_scales, v_scales, block_tables, cu_seqlens_q, seq_lens, bt_stride, max_blocks, num_seqs,
                num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_q_len, scale, num_threads};
   switch (dtype) {
-    case kBF16: return attend_any_dim<BF16>(a);
-    case kF16: return attend_any_dim<F16>(a);
-    default: return attend_any_dim<F32>(a);
+    case kBF16: return attend_any_cache<BF16>(a, cache_dtype);
+    case kF16: return attend_any_cache<F16>(a, cache_dtype);
+    default: return attend_any_cache<F32>(a, cache_dtype);
   }
 }
 
