@@ -10,6 +10,7 @@ from pathlib import Path
 
 SCHEDULING_POLICIES = ("mixed", "prefill_first", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")  # auto: the model's dtype
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -21,6 +22,7 @@ def sluice_home() -> Path:
 class EngineConfig:
     model: str | None = None  # local HF directory; None = embedded default (engine/tiny.py)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    kv_cache_dtype: str = "auto"  # what the KV cache stores: the model's dtype, another float, or int8 / fp8 (e4m3)
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from memory (kv_memory_fraction / kv_cpu_bytes)
@@ -45,6 +47,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig: {msg}")
 
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         need(self.scheduling in SCHEDULING_POLICIES, f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, f"block_size must be a power of two, got {self.block_size}")

@@ -69,7 +69,7 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs, seed=config.seed, kv_caches=kv_caches)
         if self.device.type == "cpu" and kernels.MODE == "auto":
             kernels.cpu.load(sluice_home() / "build")  # the native CPU kernels; the torch twins if that fails
-        self.attention_backend = kernels.attention_backend(self.device)
+        self.attention_backend = kernels.attention_backend(self.device, self.dtype, layout.cache_dtype)
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -77,8 +77,9 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         log.info(
-            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d host_kv_blocks=%d block_size=%d max_model_len=%d "
-            "attention=%s", self.model_name, self.device, self.dtype, layout.num_blocks, layout.num_host_blocks,
+            "engine ready: model=%s device=%s dtype=%s kv_cache_dtype=%s kv_blocks=%d host_kv_blocks=%d block_size=%d "
+            "max_model_len=%d attention=%s", self.model_name, self.device, self.dtype,
+            str(layout.cache_dtype).removeprefix("torch."), layout.num_blocks, layout.num_host_blocks,
             layout.block_size, layout.max_model_len, self.attention_backend,
         )
 
@@ -360,14 +361,12 @@ class LLMEngine:
             )
         store = self._prefix_store()
         full = len(token_ids) // bm.block_size
-        k0 = self.runner.kv_caches[0][0]
-        shape = (len(self.runner.kv_caches), full, *k0.shape[1:])  # what this engine's pool holds of them
-        if store is not None and full and (kv := store.load(token_ids, shape)) is not None:
+        if store is not None and full and (kv := store.load(token_ids, self.runner.block_shapes(full))) is not None:
             adopted = bm.adopt_pinned(token_ids)
             try:
                 self._copy_blocks()  # blocks it evicted go to the host tier before they are overwritten
                 fresh = [i for i, (_, is_fresh) in enumerate(adopted) if is_fresh]
-                self.runner.write_blocks([adopted[i][0] for i in fresh], kv[0][:, fresh], kv[1][:, fresh])
+                self.runner.write_blocks([adopted[i][0] for i in fresh], [part[:, fresh] for part in kv])
             except BaseException:
                 bm.unpin(adopted)
                 raise
@@ -377,7 +376,7 @@ class LLMEngine:
         n = bm.pin(token_ids)
         if store is not None and full and n == full * bm.block_size:
             try:
-                path = store.save(token_ids, *self.runner.read_blocks([b.id for b in bm.pinned[-full:]]))
+                path = store.save(token_ids, self.runner.read_blocks([b.id for b in bm.pinned[-full:]]))
                 log.info("stored the KV of %d pinned tokens in %s", n, path)
             except Exception as e:  # a full or read-only $SLUICE_HOME costs the next start a recomputation, nothing else
                 log.warning("cannot write the prefix store: %s: %s", type(e).__name__, e)
@@ -386,7 +385,8 @@ class LLMEngine:
     def _prefix_store(self) -> PrefixStore | None:
         if not (self.config.prefix_store and self.config.enable_prefix_caching):
             return None
-        return PrefixStore(sluice_home() / "prefix-store", self.model_dir, self.dtype, self.block_manager.block_size)
+        return PrefixStore(sluice_home() / "prefix-store", self.model_dir, self.dtype, self.layout.cache_dtype,
+                           self.block_manager.block_size)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.scheduler.running)
@@ -407,6 +407,8 @@ class LLMEngine:
             "prompt_budget": self.scheduler.prompt_budget,
             "num_host_kv_blocks": bm.host.num_slots if bm.host else 0,
             "num_free_host_kv_blocks": len(bm.host.free) if bm.host else 0,
+            "kv_cache_bytes": bm.num_blocks * self.runner.block_bytes,
+            "host_kv_cache_bytes": (bm.host.num_slots if bm.host else 0) * self.runner.block_bytes,
             "host_cache_hits": bm.host_cache_hits,
             "host_blocks_offloaded": bm.host_blocks_offloaded,
             "host_blocks_loaded": bm.host_blocks_loaded,

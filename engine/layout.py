@@ -13,6 +13,8 @@ from engine.config import EngineConfig
 from engine.models import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {**TORCH_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+QUANTIZED = (torch.int8, torch.float8_e4m3fn)  # stored with a fp32 scale per token and KV head (kernels.reference)
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,15 @@ class Layout:
     num_blocks: int  # KV blocks in the pool
     max_model_len: int  # most tokens (prompt + output) of one request
     num_host_blocks: int = 0  # slots of the host tier (`kv_offload_gb`), each one block of every layer
+    kv_dtype: torch.dtype | None = None  # what the cache stores; None: `dtype`
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.cache_dtype in QUANTIZED
 
 
 def placement(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -40,7 +51,11 @@ def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dty
     """Sizes the KV pool. Call it once the weights are on `device`: on CUDA the pool takes a share of
     the memory they leave. Raises `ValueError` for an explicit `max_model_len` that cannot fit."""
     block_size = config.block_size
-    bytes_per_block = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
+    if kv_dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("kv_cache_dtype fp8 needs a GPU with fp8 conversions (compute capability 8.9 or newer); "
+                         "use int8")
+    bytes_per_block = kv_block_bytes(mc, block_size, kv_dtype)
     model_len = config.max_model_len or mc.max_position_embeddings
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
@@ -66,4 +81,11 @@ def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dty
                 "raise num_kv_blocks or lower max_model_len"
             )
     host = int(config.kv_offload_gb * (1 << 30)) // bytes_per_block if config.enable_prefix_caching else 0
-    return Layout(device, dtype, block_size, num_blocks, max_model_len, host)
+    return Layout(device, dtype, block_size, num_blocks, max_model_len, host,
+                  None if config.kv_cache_dtype == "auto" else kv_dtype)
+
+
+def kv_block_bytes(mc: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one KV block, every layer: K and V, and their scales in a quantized cache."""
+    per_head = mc.head_dim * kv_dtype.itemsize + (4 if kv_dtype in QUANTIZED else 0)
+    return 2 * mc.num_layers * block_size * mc.num_kv_heads * per_head

@@ -2,9 +2,13 @@
 
 Per-step metadata (token ids, positions, slots, block tables) is written into buffers allocated
 once; building it loops over requests, never over tokens.
+
+The KV pool is a list over layers of `(k_cache, v_cache)`, or `(k_cache, v_cache, k_scale, v_scale)` when it is
+quantized; every part of a layer is indexed by block first, so a block moves as `part[block]` of each.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -20,29 +24,31 @@ from engine.scheduler import Batch
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, layout: Layout, max_num_tokens: int, max_num_seqs: int, seed: int,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+                 kv_caches: list[tuple[torch.Tensor, ...]] | None = None):
         """`max_num_tokens`, `max_num_seqs`: the most tokens and sequences one step may hold. `kv_caches`: the pool
         of a runner this one replaces, kept with what it holds (else a new one)."""
-        cfg, device, dtype = model.cfg, layout.device, layout.dtype
+        cfg, device = model.cfg, layout.device
         self.model = model
         self.block_size = layout.block_size
         self.device = device
-        shape = (layout.num_blocks, layout.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (layout.block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv, scale = (shape, layout.cache_dtype), (shape[:2], torch.float32)
+        self.parts = [kv, kv, scale, scale] if layout.quantized else [kv, kv]  # (shape of a block, dtype) each
+        self.block_bytes = cfg.num_layers * sum(math.prod(s) * d.itemsize for s, d in self.parts)  # every layer
+
+        def pool(num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+            return [tuple(torch.zeros((num_blocks, *s), dtype=d, device=device) for s, d in self.parts)
+                    for _ in range(cfg.num_layers)]
+
         # NOTE: zeros, not empty: padded block-table entries point at block 0, and stale values
         # must be finite so a masked-out score (weight 0) never turns into 0 * NaN.
-        self.kv_caches = kv_caches or [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = kv_caches or pool(layout.num_blocks, device)
         self.max_blocks_per_seq = -(-layout.max_model_len // layout.block_size)
         pin = device.type == "cuda"
         # the host tier (engine/block_manager.py): slots in host memory, the same layout per layer. NOTE: not pinned:
         # the copies go through pageable temporaries anyway, and torch's pinned allocator rounds every tensor up
         # to a power of two (a 40 GiB tier could pin 64)
-        host_shape = (layout.num_host_blocks, *shape[1:])
-        self.host_caches = [
-            (torch.zeros(host_shape, dtype=dtype), torch.zeros(host_shape, dtype=dtype)) for _ in range(cfg.num_layers)
-        ] if layout.num_host_blocks else []
+        self.host_caches = pool(layout.num_host_blocks, torch.device("cpu")) if layout.num_host_blocks else []
         self.copy_seconds = 0.0  # spent in copy_blocks
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
@@ -107,29 +113,34 @@ class ModelRunner:
         if offloads:
             src = torch.tensor([b for b, _ in offloads], device=dev)
             dst = torch.tensor([s for _, s in offloads])
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
-                hk.index_copy_(0, dst, k.index_select(0, src).cpu())
-                hv.index_copy_(0, dst, v.index_select(0, src).cpu())
+            for layer, host in zip(self.kv_caches, self.host_caches):
+                for d, h in zip(layer, host):
+                    _raw(h).index_copy_(0, dst, _raw(d).index_select(0, src).cpu())
         if loads:
             src = torch.tensor([s for s, _ in loads])
             dst = torch.tensor([b for _, b in loads], device=dev)
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
-                k.index_copy_(0, dst, hk.index_select(0, src).to(dev, non_blocking=True))
-                v.index_copy_(0, dst, hv.index_select(0, src).to(dev, non_blocking=True))
+            for layer, host in zip(self.kv_caches, self.host_caches):
+                for d, h in zip(layer, host):
+                    _raw(d).index_copy_(0, dst, _raw(h).index_select(0, src).to(dev, non_blocking=True))
         self.copy_seconds += time.perf_counter() - t
 
-    def read_blocks(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of these blocks, every layer: `[layers, len(ids), block_size, kv_heads, head_dim]` each, on the host."""
-        idx = torch.tensor(ids, device=self.device)  # one layer at a time to the host: no device-sized stack
-        return (torch.stack([k.index_select(0, idx).cpu() for k, _ in self.kv_caches]),
-                torch.stack([v.index_select(0, idx).cpu() for _, v in self.kv_caches]))
+    def block_shapes(self, n: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """What `read_blocks` returns for n blocks: (shape, dtype) of each part."""
+        return [((len(self.kv_caches), n, *s), d) for s, d in self.parts]
 
-    def write_blocks(self, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def read_blocks(self, ids: list[int]) -> list[torch.Tensor]:
+        """Each part of these blocks (K, V and, quantized, their scales), every layer, on the host:
+        `[layers, len(ids), block_size, kv_heads(, head_dim)]` each."""
+        idx = torch.tensor(ids, device=self.device)  # one layer at a time to the host: no device-sized stack
+        return [torch.stack([_raw(layer[p]).index_select(0, idx).cpu() for layer in self.kv_caches]).view(d)
+                for p, (_, d) in enumerate(self.parts)]
+
+    def write_blocks(self, ids: list[int], parts: list[torch.Tensor]) -> None:
         """The inverse of `read_blocks`."""
         idx = torch.tensor(ids, device=self.device)
-        for layer, (kc, vc) in enumerate(self.kv_caches):
-            kc.index_copy_(0, idx, k[layer].to(self.device, kc.dtype))
-            vc.index_copy_(0, idx, v[layer].to(self.device, vc.dtype))
+        for layer, cache in enumerate(self.kv_caches):
+            for dst, src in zip(cache, parts):
+                _raw(dst).index_copy_(0, idx, _raw(src[layer].to(dst.dtype)).to(self.device))
 
     def device_ok(self) -> bool:
         """Does a trivial computation still work on the device? (After a CUDA error none does.)"""
@@ -147,3 +158,8 @@ class ModelRunner:
         if not rows:
             return [], []
         return self.sampler(logits, [batch.reqs[i] for i in rows])
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or its bytes where torch has no copy kernels for its dtype (fp8 on CPU)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

@@ -17,7 +17,7 @@ from typing import Any
 ENGINE_FIELDS = (
     "model", "dtype", "device", "block_size", "num_kv_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "scheduling", "long_prefill_token_threshold",
-    "max_num_partial_prefills", "itl_slo_ms", "seed", "kv_offload_gb",
+    "max_num_partial_prefills", "itl_slo_ms", "seed", "kv_offload_gb", "kv_cache_dtype",
 )
 
 
@@ -39,6 +39,7 @@ class ServerConfig:
     itl_slo_ms: float | None = None
     seed: int | None = None
     kv_offload_gb: float | None = None
+    kv_cache_dtype: str | None = None
     prefix_store: bool = True
     pin_system_prompt: tuple[str, ...] = ()
     # HTTP / WebSocket surface
@@ -163,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-offload-gb", type=float, metavar="GB",
                    help="host memory (GiB) for a second KV tier: cached prefixes evicted from the KV pool are kept "
                         "there and copied back instead of recomputed (default: 0, none)")
+    e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"],
+                   help="what the KV cache stores: the model's dtype (auto), another float, or int8 / fp8 (e4m3) with a "
+                        "scale per token and KV head, ~2x the tokens of bf16 in the same memory (default: auto)")
     e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
                    help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
                         "start instead of computing it (default: on)")

@@ -34,6 +34,8 @@ _ENGINE_GAUGES = {
     "kv_usage": "Fraction of KV cache blocks in use (0..1).",
     "num_host_kv_blocks": "Slots of the host KV tier (--kv-offload-gb), one block each.",
     "num_free_host_kv_blocks": "Host KV tier slots holding nothing.",
+    "kv_cache_bytes": "Bytes of the KV pool (--kv-cache-dtype sets how many tokens they hold).",
+    "host_kv_cache_bytes": "Bytes of the host KV tier.",
     "scheduler_degraded": "The scheduler's KV-pressure mode: 0 normal, 1 hold (admits a request only if all of it "
                           "fits), 2 static (admits nothing while anything runs).",
 }

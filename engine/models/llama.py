@@ -180,12 +180,12 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],  # per layer (k_cache, v_cache), quantized + (k_scale, v_scale)
     ) -> torch.Tensor:  # [B, vocab] float32 logits of each sequence's last new token
         cfg, T = self.cfg, input_ids.shape[0]
         h = self.embed[input_ids]  # (T, H)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, (k_cache, v_cache, *scales) in zip(self.layers, kv_caches):
             if residual is None:
                 residual = h
                 x = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps)
@@ -201,9 +201,9 @@ class LlamaModel:
                 k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), layer["k_norm"], cfg.rms_norm_eps).view_as(k)
             q, k = q.contiguous(), k.contiguous()
             q, k = kernels.rotary_embedding(meta.positions, q, k, self.cos_sin, True)
-            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
             o = kernels.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, self.scale
+                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, self.scale, *scales
             )  # (T, Hq, D)
             h = layer["o"](o.view(T, self.q_size))
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)

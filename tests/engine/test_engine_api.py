@@ -15,7 +15,7 @@ STATS_KEYS = {"num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks
               "prefix_cache_hits", "num_preemptions", "num_steps", "prompt_tokens_computed", "generation_tokens",
               "scheduler_degraded", "scheduler_mode_changes", "num_host_kv_blocks", "num_free_host_kv_blocks",
               "host_cache_hits", "host_blocks_offloaded", "host_blocks_loaded", "host_cache_evictions",
-              "host_copy_seconds"}
+              "host_copy_seconds", "kv_cache_bytes", "host_kv_cache_bytes"}
 
 
 @pytest.fixture(scope="module")

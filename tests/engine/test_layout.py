@@ -36,6 +36,20 @@ def test_cpu_pool_is_sized_from_kv_cpu_bytes_and_caps_max_model_len() -> None:
     assert half.num_blocks == 20  # 2-byte KV: twice the blocks in the same bytes
 
 
+@pytest.mark.parametrize("kv_cache_dtype,blocks", [("auto", 10), ("bfloat16", 20), ("int8", 32), ("fp8", 32)])
+def test_the_kv_cache_dtype_sets_how_many_blocks_fit(kv_cache_dtype, blocks) -> None:
+    """A quantized block is a quarter of an fp32 one plus a 4-byte scale per token and head: 16 + 4 bytes a head
+    instead of 64, so 10 fp32 blocks' bytes hold 32 of them."""
+    layout = plan_layout(EngineConfig(kv_cpu_bytes=10 * BLOCK_BYTES, kv_cache_dtype=kv_cache_dtype), MC, CPU,
+                         torch.float32)
+    assert layout.num_blocks == blocks and layout.dtype == torch.float32
+    assert layout.quantized == (kv_cache_dtype in ("int8", "fp8"))
+    assert layout.cache_dtype == {"auto": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8,
+                                  "fp8": torch.float8_e4m3fn}[kv_cache_dtype]
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
 def test_pool_never_exceeds_max_num_seqs_full_requests() -> None:
     layout = plan_layout(EngineConfig(max_num_seqs=3), MC, CPU, torch.float32)  # 512 MiB would hold far more
     assert (layout.num_blocks, layout.max_model_len) == (3 * 1024 // 16, 1024)

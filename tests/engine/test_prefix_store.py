@@ -30,8 +30,8 @@ def _store(eng: LLMEngine) -> PrefixStore:
     return eng._prefix_store()
 
 
-def _shape(eng: LLMEngine, tokens: list[int]) -> tuple[int, ...]:
-    return (len(eng.runner.kv_caches), len(tokens) // 16, *eng.runner.kv_caches[0][0].shape[1:])
+def _shape(eng: LLMEngine, tokens: list[int]) -> list:
+    return eng.runner.block_shapes(len(tokens) // 16)
 
 
 def _answer(eng: LLMEngine):
@@ -52,6 +52,21 @@ def test_a_restarted_engine_loads_its_pinned_prefix(make, caplog) -> None:
     k, v = second.runner.read_blocks([b.id for b in second.block_manager.pinned])
     k0, v0 = first.runner.read_blocks([b.id for b in first.block_manager.pinned])
     assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_a_quantized_cache_round_trips_with_its_scales(make, kv_cache_dtype) -> None:
+    first = make(kv_cache_dtype=kv_cache_dtype)
+    assert first.pin_prefix(SYSTEM) == 96
+    expected = _answer(first)
+    second = make(kv_cache_dtype=kv_cache_dtype)
+    assert second.pin_prefix(SYSTEM) == 96 and second.stats()["prompt_tokens_computed"] == 0
+    assert _answer(second).token_ids == expected.token_ids
+    got = second.runner.read_blocks([b.id for b in second.block_manager.pinned])
+    want = first.runner.read_blocks([b.id for b in first.block_manager.pinned])
+    assert len(got) == 4 and got[0].dtype == first.layout.cache_dtype and got[2].dtype == torch.float32
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+    assert make()._prefix_store().dir != _store(first).dir  # a float32 cache is another store
 
 
 def test_a_corrupt_store_is_refused_and_rebuilt(make, caplog) -> None:
@@ -80,7 +95,7 @@ def test_a_store_made_for_another_model_or_prompt_is_never_used(make, tiny_model
     config = (tiny_model_dir / "config.json").read_text().replace('"rms_norm_eps"', '"rms_norm_eps_"')
     (other / "config.json").write_text(config)
     shape = _shape(first, SYSTEM)
-    foreign = PrefixStore(store.dir.parents[1], other, first.dtype, 16)
+    foreign = PrefixStore(store.dir.parents[1], other, first.dtype, first.dtype, 16)
     assert foreign.model != store.model and foreign.load(SYSTEM, shape) is None  # another model: another key
     foreign.dir.mkdir(parents=True)
     shutil.copy(store.path(SYSTEM), foreign.path(SYSTEM))  # the file, put where that model looks
@@ -88,8 +103,11 @@ def test_a_store_made_for_another_model_or_prompt_is_never_used(make, tiny_model
     shorter = SYSTEM[:-20]
     shutil.copy(store.path(SYSTEM), store.path(shorter))  # another prompt's name on it
     assert store.load(shorter, _shape(first, shorter)) is None
-    assert PrefixStore(store.dir.parents[1], tiny_model_dir, torch.bfloat16, 16).load(SYSTEM, shape) is None  # dtype
-    assert store.load(SYSTEM, (shape[0] + 1, *shape[1:])) is None and "are not" in caplog.text  # another shape
+    for dtype, kv_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8)):  # another dtype
+        assert PrefixStore(store.dir.parents[1], tiny_model_dir, dtype, kv_dtype, 16).load(SYSTEM, shape) is None
+    (s, d), rest = shape[0], shape[1:]
+    assert store.load(SYSTEM, [((s[0] + 1, *s[1:]), d), *rest]) is None and "are not" in caplog.text  # a shape
+    assert store.load(SYSTEM, [(s, torch.float16), *rest]) is None  # a dtype
     store.path(SYSTEM).write_bytes(b"\xff" * 64)  # not even a header
     assert store.load(SYSTEM, shape) is None and "unreadable" in caplog.text
 
