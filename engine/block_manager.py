@@ -87,32 +87,58 @@ class PrefixHits:
 
 
 class HostTier:
-    """The second tier: `num_slots` host slots holding evicted cached blocks, LRU. Slots being read this step (a
-    copy back is pending) are never reused before the copies are made."""
+    """The second tier: `num_slots` host slots holding evicted cached blocks, least recently used first out. With
+    `slru`, an entry copied back at least once moves to a protected segment (at most PROTECTED_SHARE of the slots,
+    its oldest going back), taken from only when the other is empty, as in the device pool. Slots being read this
+    step (a copy back is pending) are never reused before the copies are made."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, slru: bool = False):
         self.num_slots = num_slots
-        self.entries: OrderedDict[int, tuple[int, tuple[int, tuple[int, ...]]]] = OrderedDict()  # hash -> slot, key
+        self.slru = slru
+        # hash -> (slot, key), least recently used first: entries not copied back yet (all of them without slru),
+        # and the protected ones
+        self.entries: OrderedDict[int, tuple[int, tuple[int, tuple[int, ...]]]] = OrderedDict()
+        self.protected: OrderedDict[int, tuple[int, tuple[int, tuple[int, ...]]]] = OrderedDict()
+        self.protected_cap = int(PROTECTED_SHARE * num_slots)
         self.free = list(range(num_slots - 1, -1, -1))
         self.reading: set[int] = set()  # slots a pending copy back reads
         self.writing: set[int] = set()  # slots a pending copy out writes
         self.evictions = 0
 
+    def slots(self) -> dict[int, int]:
+        """hash -> slot of every entry."""
+        return {h: slot for seg in (self.entries, self.protected) for h, (slot, _) in seg.items()}
+
     def lookup(self, h: int, key: tuple[int, tuple[int, ...]]) -> int | None:
-        hit = self.entries.get(h)
+        hit = self.entries.get(h) or self.protected.get(h)
         return hit[0] if hit is not None and hit[1] == key else None
+
+    def hit(self, h: int, slot: int) -> None:
+        """Entry `h`, in `slot`, is being copied back this step."""
+        self.reading.add(slot)
+        if h in self.protected:
+            self.protected.move_to_end(h)
+        elif not self.slru:
+            self.entries.move_to_end(h)
+        else:
+            self.protected[h] = self.entries.pop(h)
+            if len(self.protected) > self.protected_cap:  # the oldest protected entry goes back, most recent there
+                old, entry = self.protected.popitem(last=False)
+                self.entries[old] = entry
 
     def store(self, h: int, key: tuple[int, tuple[int, ...]]) -> int | None:
         """A slot for a block to copy out (most recently used now), or None if every slot is being read."""
-        if h in self.entries:
-            self.entries.move_to_end(h)
-            return None  # already here (it was copied back from here): nothing to copy
+        for seg in (self.entries, self.protected):
+            if h in seg:
+                seg.move_to_end(h)
+                return None  # already here (it was copied back from here): nothing to copy
         if not self.free:
             busy = self.reading | self.writing
-            victim = next((v for v, (slot, _) in self.entries.items() if slot not in busy), None)
+            seg, victim = next(((seg, v) for seg in (self.entries, self.protected) for v, (slot, _) in seg.items()
+                                if slot not in busy), (None, None))
             if victim is None:
                 return None
-            self.free.append(self.entries.pop(victim)[0])
+            self.free.append(seg.pop(victim)[0])
             self.evictions += 1
         slot = self.free.pop()
         self.entries[h] = (slot, key)
@@ -149,7 +175,7 @@ class BlockManager:
         self.protected_cap = int(PROTECTED_SHARE * num_blocks)
         self.cached: dict[int, Block] = {}  # hash -> block
         self.pinned: list[Block] = []
-        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
+        self.host = HostTier(num_host_blocks, self.slru) if num_host_blocks and enable_prefix_caching else None
         self._offloads: list[tuple[int, int]] = []  # (device block, host slot) to copy out before the next forward
         self._loads: list[tuple[int, int]] = []  # (host slot, device block) to copy back, after the offloads
         self.prefix_cache_queries = 0  # prompt tokens looked up, once per request (its first allocation)
@@ -251,8 +277,7 @@ class BlockManager:
             b.hits += not req.admitted  # a preempted request coming back is not a second user
             req.block_table.append(b.id)
         for h, slot in host:  # NOTE: first, so the evictions below cannot take these slots (or their entries)
-            self.host.reading.add(slot)
-            self.host.entries.move_to_end(h)
+            self.host.hit(h, slot)
         for i, (h, slot) in enumerate(host, start=len(req.block_table)):  # copied back: cached on the device again
             b = self._fresh()
             b.hits = 1  # a hit, from the host tier
@@ -429,6 +454,8 @@ class BlockManager:
                 assert b.prev is prev, "free queue links broken"
                 prev = b
         if self.host is not None:
-            used = [slot for slot, _ in self.host.entries.values()]
+            used = list(self.host.slots().values())
+            assert len(used) == len(self.host.entries) + len(self.host.protected), "an entry in both segments"
+            assert len(self.host.protected) <= self.host.protected_cap, "protected host segment over its cap"
             assert len(used) == len(set(used)) and not set(used) & set(self.host.free), "host slots corrupt"
             assert len(used) + len(self.host.free) == self.host.num_slots, "host slots lost"

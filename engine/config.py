@@ -38,7 +38,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.85  # CUDA: fraction of free memory after weights that holds KV
     kv_cpu_bytes: int = 512 << 20  # CPU: bytes of KV cache when num_kv_blocks is None
     kv_offload_gb: float = 0.0  # host memory for a second KV tier (cached blocks evicted from the pool); 0: none
-    kv_eviction: str = "slru"  # which free cached block goes first: "slru" (ones hit before go last) or "lru"
+    kv_eviction: str = "slru"  # which free cached block (and host tier entry) goes first: "slru" (ones hit before go last) or "lru"
     prefix_store: bool = True  # pinned prefixes' KV kept on disk under $SLUICE_HOME/prefix-store, loaded on start
 
     def __post_init__(self) -> None:
