@@ -107,6 +107,26 @@ def random_weights(cfg: dict[str, Any], seed: int, dtype: torch.dtype = torch.fl
     return w
 
 
+def hf_shape_configs() -> dict:
+    """Small transformers configs of the architectures the engine serves, for tests/engine/test_correctness.py and
+    `bench kvquant`: Llama GQA with tied embeddings, Llama untied with llama3 rope and one KV head, Qwen2 (q/k/v
+    biases), Qwen3 (q/k norm). Vocabulary 1,024: the tiny model's tokenizer fits them."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                  initializer_range=0.1, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    return {
+        "llama-gqa-tied": LlamaConfig(num_key_value_heads=2, tie_word_embeddings=True, **common),
+        "llama-untied-llama3rope": LlamaConfig(
+            num_key_value_heads=1, tie_word_embeddings=False, head_dim=32,
+            rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 128, "rope_theta": 50000.0}, **common),
+        "qwen2-bias": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, **common),
+        "qwen3-qknorm": Qwen3Config(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, **common),
+    }
+
+
 def write_model(out_dir: str | Path, config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
                 tokenizer_vocab: int = 1024, progress: bool = True) -> Path:
     """Writes config.json, model.safetensors and a trained tokenizer; the model's vocab_size is the tokenizer's."""

@@ -113,3 +113,16 @@ def test_restart_loads_the_pinned_prompt_from_the_store(tiny_model_dir, tmp_path
     assert store["prompt_tokens_computed"] < none["prompt_tokens_computed"]  # the prompt came from the store
     assert store["num_cached_tokens"] == none["num_cached_tokens"] > 0
     assert data["targets"][1]["met"]  # the same first token either way
+
+
+def test_kvquant_reports_accuracy_kernels_and_capacity(tiny_model_dir, tmp_path) -> None:
+    data = json.loads((quick(["kvquant"], tiny_model_dir, tmp_path) / "kvquant.json").read_text())
+    rows = {r["system"]: r for r in data["rows"]}
+    for kv in ("int8", "fp8"):
+        r = rows[f"embedded {kv}"]
+        assert 0 <= r["token_agreement"] <= 1 and r["max_logit_error"] >= 0
+        attention = next(v for k, v in rows.items() if k.startswith(f"attention {'int8' if kv == 'int8' else 'float8'}"))
+        assert attention["kernel_vs_twin_max_abs"] < 0.05 and attention["twin_vs_exact_cache_max_abs"] > 0
+    speed = {k.split()[0]: v for k, v in rows.items() if "same KV bytes" in k}
+    assert speed["int8"]["kv_blocks"] >= 1.8 * speed["auto"]["kv_blocks"]  # the same bytes hold ~1.9x the tokens
+    assert speed["int8"]["throughput_tok_s"] > 0 and speed["auto"]["output_tokens"] == speed["int8"]["output_tokens"]

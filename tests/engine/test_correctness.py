@@ -10,32 +10,16 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.tiny import hf_shape_configs
 
 NEW_TOKENS = 20
 
 
-def _hf_configs():
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    common = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-6,
-                  initializer_range=0.1, bos_token_id=None, eos_token_id=2, pad_token_id=0)
-    return {
-        "llama-gqa-tied": LlamaConfig(num_key_value_heads=2, tie_word_embeddings=True, **common),
-        "llama-untied-llama3rope": LlamaConfig(
-            num_key_value_heads=1, tie_word_embeddings=False, head_dim=32,
-            rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 128, "rope_theta": 50000.0}, **common),
-        "qwen2-bias": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, **common),
-        "qwen3-qknorm": Qwen3Config(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, **common),
-    }
-
-
-@pytest.fixture(scope="module", params=list(_hf_configs()))
+@pytest.fixture(scope="module", params=list(hf_shape_configs()))
 def hf_model(request, tmp_path_factory, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    cfg = _hf_configs()[request.param]
+    cfg = hf_shape_configs()[request.param]
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     out = tmp_path_factory.mktemp(request.param)
