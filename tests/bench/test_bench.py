@@ -124,5 +124,6 @@ def test_kvquant_reports_accuracy_kernels_and_capacity(tiny_model_dir, tmp_path)
         attention = next(v for k, v in rows.items() if k.startswith(f"attention {'int8' if kv == 'int8' else 'float8'}"))
         assert attention["kernel_vs_twin_max_abs"] < 0.05 and attention["twin_vs_exact_cache_max_abs"] > 0
     speed = {k.split()[0]: v for k, v in rows.items() if "same KV bytes" in k}
-    assert speed["int8"]["kv_blocks"] >= 1.8 * speed["auto"]["kv_blocks"]  # the same bytes hold ~1.9x the tokens
+    # the tiny model's head dim is 32: an int8 head is 32 + 4 (scale) bytes against 64 in bf16, 128 in fp32
+    assert speed["int8"]["kv_blocks"] >= 1.7 * speed["auto"]["kv_blocks"]
     assert speed["int8"]["throughput_tok_s"] > 0 and speed["auto"]["output_tokens"] == speed["int8"]["output_tokens"]
