@@ -12,7 +12,7 @@ near-tie, or not). These random-weight models have many near-ties, so a control 
 the usual 2-byte cache: what any rounding of the cache costs them. Then the attention kernels over a quantized cache against their torch twin, and the
 twin against attention over the exact (fp32) cache: the kernels' own error, and the quantization's.
 
-Capacity and speed: the same KV byte budget for both (`kv_cpu_bytes`), sized so the model dtype's pool holds a
+Capacity and speed: the same KV bytes for both (each pool's `num_kv_blocks` from them), sized so the model dtype's pool holds a
 few of `chats` long requests that all arrive at once: a KV-bound workload. Reported: the blocks each pool holds,
 throughput, preemptions, prompt tokens computed (recomputation after preemption).
 """
@@ -29,6 +29,8 @@ from bench import report
 from bench.common import Run, model_config
 from bench.driver import EngineSystem, Req, measure, summarize
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.layout import kv_block_bytes
+from engine.models import ModelConfig
 from engine.tiny import default_model_dir, hf_shape_configs
 
 QUANTIZED = ("int8", "fp8")
@@ -119,7 +121,8 @@ def reference_run(model: str, model_dir: Path, run: Run, sz: Sizes):
 
 
 def kernel_rows(run: Run) -> list[dict]:
-    """The backends' paged attention over a quantized cache vs the twin, and the twin vs the exact cache (fp32)."""
+    """The backend's paged attention over a quantized cache (q in the run's dtype) vs the twin in fp32 over the same
+    cache (the kernel's own error), and that twin vs fp32 attention over the exact cache (the quantization's)."""
     import kernels
     from kernels import reference
 
@@ -144,7 +147,7 @@ def kernel_rows(run: Run) -> list[dict]:
         (kq, ks), (vq, vs) = (reference.quantize(c.view(-1, Hkv, D), kv) for c in (k, v))
         args = (q, kq.view(k.shape), vq.view(v.shape), tables, cu, lens, D**-0.5, ks.view(nb, bs, Hkv),
                 vs.view(nb, bs, Hkv))
-        twin = reference.paged_attention(*args).float()
+        twin = reference.paged_attention(q.float(), *args[1:])
         rows.append({"system": f"attention {str(kv).removeprefix('torch.')} ({kernels.attention_backend(q.device, dtype, kv)})",
                      "kernel_vs_twin_max_abs": round((kernels.paged_attention(*args).float() - twin).abs().max().item(), 5),
                      "twin_vs_exact_cache_max_abs": round((twin - exact).abs().max().item(), 5)})
@@ -168,18 +171,18 @@ def main(run: Run) -> dict:
     rows += kernel_rows(run)
 
     cfg = model_config(run.model_dir)
-    heads, dim = cfg["num_key_value_heads"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    budget = sz.budget_blocks * 2 * cfg["num_hidden_layers"] * 16 * heads * dim * run.torch_dtype.itemsize
+    mc = ModelConfig.from_hf(cfg)
+    budget = sz.budget_blocks * kv_block_bytes(mc, 16, run.torch_dtype)  # the same bytes on any device
     vocab = cfg["vocab_size"]
 
     def chats(tag: str, n: int, prompt: int, output: int) -> list[Req]:
         rng = run.rng(f"kvquant:{tag}")
         return [Req(f"{tag}-{i}", run.tokens(rng, prompt, vocab), output, 0.0) for i in range(n)]
 
-    systems = [EngineSystem(kv, EngineConfig(model=str(run.model_dir), dtype=run.dtype, kv_cache_dtype=kv,
-                                             kv_cpu_bytes=budget, max_num_seqs=sz.chats, seed=run.seed,
-                                             max_model_len=sz.chat_prompt + sz.chat_output))
-               for kv in ("auto", "int8")]
+    systems = [EngineSystem(kv, EngineConfig(
+        model=str(run.model_dir), dtype=run.dtype, kv_cache_dtype=kv, max_num_seqs=sz.chats, seed=run.seed,
+        num_kv_blocks=budget // kv_block_bytes(mc, 16, run.torch_dtype if kv == "auto" else torch.int8),
+        max_model_len=sz.chat_prompt + sz.chat_output)) for kv in ("auto", "int8")]
     speed, _ = measure(
         systems,
         workload=lambda tag: chats(tag, sz.chats, sz.chat_prompt, sz.chat_output),
@@ -224,5 +227,5 @@ def main(run: Run) -> dict:
                  columns=["token_agreement", "sequences_identical", "max_logit_error", "max_margin_at_a_flip",
                           "kernel_vs_twin_max_abs", "twin_vs_exact_cache_max_abs", "kv_blocks", "throughput_tok_s",
                           "num_preemptions", "prompt_tokens_computed", "wall_s", "error"],
-                 config={**asdict(sz), "kv_cpu_bytes": budget}, targets=targets, plot=plot)
+                 config={**asdict(sz), "kv_bytes": budget}, targets=targets, plot=plot)
     return {"rows": rows, "targets": targets}

@@ -28,6 +28,19 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return y.clamp(-qmax, qmax).to(dtype), scale
 
 
+def check_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether `cache` is quantized; raises unless its scales come with it (fp32 [num_blocks, block_size, Hkv])
+    and only with it."""
+    quant = cache.dtype in QMAX
+    if quant != (k_scale is not None) or quant != (v_scale is not None):
+        raise TypeError("k_scale and v_scale come with a quantized (int8 / fp8) cache, and only with one")
+    if quant and not (k_scale.dtype == v_scale.dtype == torch.float32
+                      and tuple(k_scale.shape) == tuple(v_scale.shape) == tuple(cache.shape[:3])):
+        raise ValueError(f"k_scale and v_scale must be fp32 {list(cache.shape[:3])}: {tuple(k_scale.shape)} "
+                         f"{k_scale.dtype}, {tuple(v_scale.shape)} {v_scale.dtype}")
+    return quant
+
+
 def store_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
@@ -37,6 +50,7 @@ def store_kv(
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] fp32: quantized caches only
     v_scale: torch.Tensor | None = None,
 ) -> None:
+    check_scales(k_cache, k_scale, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
@@ -73,6 +87,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] fp32: quantized caches only
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
+    check_scales(k_cache, k_scale, v_scale)
     Hq = q.shape[1]
     Hkv, bs = k_cache.shape[2], k_cache.shape[1]
     gqa = Hq != Hkv

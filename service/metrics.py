@@ -23,7 +23,7 @@ _ENGINE_COUNTERS = {
     "host_cache_hits": "Prompt tokens copied back from the host KV tier instead of recomputed.",
     "host_blocks_offloaded": "Cached KV blocks copied to the host tier when evicted from the pool.",
     "host_blocks_loaded": "KV blocks copied back from the host tier.",
-    "host_cache_evictions": "Blocks dropped from the host tier (LRU) to make room.",
+    "host_cache_evictions": "Blocks dropped from the host tier to make room (segmented LRU: ones copied back go last).",
     "host_copy_seconds": "Seconds spent copying KV blocks between the pool and the host tier.",
 }
 _ENGINE_GAUGES = {

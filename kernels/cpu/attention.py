@@ -41,12 +41,7 @@ def paged_attention(
     if not (q.dtype in DTYPES and k_cache.dtype == v_cache.dtype and (quant or k_cache.dtype == q.dtype)):
         raise TypeError(f"q must be one of {list(DTYPES)} and the caches q's dtype or one of {list(QUANTIZED)}: "
                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if quant != (k_scale is not None) or quant != (v_scale is not None):
-        raise TypeError("k_scale and v_scale come with a quantized cache, and only with one")
-    if quant:
-        if not (k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape == (nb, bs, Hkv)):
-            raise ValueError(f"k_scale and v_scale must be fp32 [{nb}, {bs}, {Hkv}]: {tuple(k_scale.shape)}, "
-                             f"{tuple(v_scale.shape)}")
+    if reference.check_scales(k_cache, k_scale, v_scale):
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     if v_cache.shape != k_cache.shape or Dk != D or Hq % Hkv:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
@@ -122,14 +117,16 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     by their log-sum-exps. A quantized cache is gathered and dequantized to q's dtype first.
     """
     n = q.shape[0]
-    if _FLASH is None:
-        return reference.paged_attention(q, k_cache, v_cache, table[None], torch.tensor([0, n], dtype=torch.int32),
-                                         torch.tensor([L], dtype=torch.int32), scale, k_scale, v_scale)
-    if k_scale is not None:
-        k, v = (reference._gather(c, table, -(-L // c.shape[1]), q.dtype, s)[:, :L].transpose(1, 2).contiguous()
+    if k_scale is not None and _FLASH is not None:  # checked as gather_kv checks
+        nblk = -(-L // k_cache.shape[1])
+        if nblk > table.shape[0]:
+            raise ValueError("paged_attention: " + ERRORS[2])
+        if ((table[:nblk] < 0) | (table[:nblk] >= k_cache.shape[0])).any():
+            raise ValueError("paged_attention: " + ERRORS[1])
+        k, v = (reference._gather(c, table, nblk, q.dtype, s)[:, :L].transpose(1, 2).contiguous()
                 for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
         return _flash_two_pass(q, k, v, L, scale)
-    if lib.amx and q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 256:
+    if k_scale is None and lib.amx and q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 256:
         out = torch.empty_like(q)
         nb, bs, Hkv, D = k_cache.shape
         table = table.contiguous()
@@ -140,6 +137,9 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
             return out
         if err != UNSUPPORTED:
             raise ValueError(f"paged_attention: {ERRORS.get(err, f'error {err}')}")
+    if _FLASH is None:
+        return reference.paged_attention(q, k_cache, v_cache, table[None], torch.tensor([0, n], dtype=torch.int32),
+                                         torch.tensor([L], dtype=torch.int32), scale, k_scale, v_scale)
     return _flash_two_pass(q, *gather_kv(k_cache, v_cache, table, L, lib), L, scale)
 
 

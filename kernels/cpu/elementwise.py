@@ -71,11 +71,9 @@ def store_kv(
     lib = need(lib)
     T = k.shape[0]
     row = k.shape[1:]
-    quant = k_cache.dtype in QUANTIZED and k.dtype in DTYPES and k_scale is not None and v_scale is not None
-    if quant:
-        want = (*k_cache.shape[:3],)
-        quant = (k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape == want
-                 and k_scale.is_contiguous() and v_scale.is_contiguous())
+    # a quantized cache without its scales raises; strided scales (a copy would not be written back) take the twin
+    quant = (reference.check_scales(k_cache, k_scale, v_scale) and k.dtype in DTYPES and k_scale.is_contiguous()
+             and v_scale.is_contiguous())
     if ((k.dtype != k_cache.dtype and not quant) or v.dtype != k.dtype or v_cache.dtype != k_cache.dtype
             or v.shape != k.shape or k_cache.shape != v_cache.shape or k_cache.shape[2:] != row
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):

@@ -3,7 +3,7 @@
 A program owns `BLOCK_Q` query tokens of one sequence times every query head of one KV head's
 group, so each K/V tile is read once per group; softmax is online, in fp32, base 2. The launcher
 reads no device tensor (no host sync): the grid depends on tensor shapes only. A quantized cache (int8,
-fp8) is read as stored: a key's scale multiplies its scores, a value's scale its softmax weights.
+fp8) is read as stored: a key's scale multiplies its scores; a value tile is scaled in fp32 before the dot.
 """
 from __future__ import annotations
 
@@ -57,9 +57,11 @@ def _kv_tile(
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(COMPUTE_DT)
-    if QUANT:
-        p = p * tl.load(vs_base + s_off, mask=n_ok, other=0.0)[None, :]
+    if QUANT:  # NOTE: V itself scaled, in fp32: p * scale would sink into fp16's subnormals
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        v = (v * tl.load(vs_base + s_off, mask=n_ok, other=0.0)[:, None]).to(COMPUTE_DT)
+    else:
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(COMPUTE_DT)
     acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DT), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 

@@ -2,7 +2,8 @@
 
 `slot = block * block_size + offset`, so with a contiguous cache a slot is a flat row index.
 One program per token copies all of its KV heads; the caches are written in place. Into an int8 or fp8
-cache each head is quantized as `kernels.reference.quantize` does, its scale written beside it.
+cache each head is quantized by `kernels.reference.quantize`'s rule, its scale written beside it (a GPU's fp32
+division may put a value on a rounding boundary one grid step from the twin's).
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def _store_kv_kernel(
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
     dst = slot * (NUM_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     t64 = t.to(tl.int64)
-    k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    # other=0: padded lanes must not count in a head's max (_quantize)
+    k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0)
     if QMAX > 0:
         k = _quantize(k.to(tl.float32), k_scale_ptr + slot * NUM_HEADS + offs_h, offs_h < NUM_HEADS, QMAX, ROUND)
         v = _quantize(v.to(tl.float32), v_scale_ptr + slot * NUM_HEADS + offs_h, offs_h < NUM_HEADS, QMAX, ROUND)

@@ -143,3 +143,22 @@ def test_bad_scales_are_refused(native_builds):
         cpu_attention.paged_attention(*args[:7], args[7][:-1], args[8][:-1], lib=lib)
     with pytest.raises(TypeError, match="q's dtype"):  # an unquantized cache of another dtype: the twin serves it
         cpu_attention.paged_attention(b.q.cpu(), b.k_cache.cpu().half(), b.v_cache.cpu().half(), *args[3:7], lib=lib)
+
+
+def test_a_quantized_cache_never_takes_values_without_its_scales(native_builds):
+    """Without scales an int8 store would wrap (186 -> -70): every backend refuses instead, as it refuses
+    misshapen scales, and scales with a float cache."""
+    k, v, slots, (kv, s) = _store_inputs(torch.float32, torch.int8)
+    lib = native_builds["native"]
+    for store in (reference.store_kv, lambda *a: cpu_elementwise.store_kv(*a, lib=lib)):
+        with pytest.raises(TypeError, match="scale"):
+            store(k, v, *kv, slots)
+        with pytest.raises(ValueError, match="fp32"):
+            store(k, v, *kv, slots, s[0].view(-1, 1, 2), s[1].view(-1, 1, 2))  # as many elements, not the shape
+        with pytest.raises(TypeError, match="scale"):
+            store(k, v, k.new_zeros(5, 8, 2, 24), k.new_zeros(5, 8, 2, 24), slots, *s)
+    assert not any(c.any() for c in kv) and not any(t.any() for t in s)  # nothing was written
+    b = paged_batch([1], [20], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
+    args = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in _quantized(b, torch.int8))
+    with pytest.raises(TypeError, match="scale"):
+        reference.paged_attention(*args[:7])

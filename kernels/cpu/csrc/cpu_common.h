@@ -8,7 +8,7 @@
 namespace sluice {
 
 
-enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kI8 = 3, kFP8 = 4 };  // kernels/cpu/binding.py DTYPES, CACHE_DTYPES
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kI8 = 3, kFP8 = 4 };  // kernels/cpu/binding.py DTYPES, QUANTIZED
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -118,7 +118,8 @@ struct I8 {
   using T = int8_t;
   static constexpr float kMax = 127.0f;
   static float to(T x) { return float(x); }
-  static T from(float x) {  // x within +-kMax: round half away from zero
+  static T from(float x) {  // x within +-kMax: round half away from zero; NaN (non-finite K/V) stores 0
+    if (std::isnan(x)) return 0;
     const float r = std::trunc(x + std::copysign(0.5f, x));
     return T(r > kMax ? kMax : (r < -kMax ? -kMax : r));
   }

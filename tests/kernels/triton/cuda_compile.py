@@ -73,6 +73,14 @@ def compile_all() -> None:
     K.rms_norm(x, torch.zeros(896, dtype=dtype), 1e-6)
     K.rms_norm(x, torch.zeros(896, dtype=dtype), 1e-6, torch.zeros_like(x))
     K.silu_and_mul(torch.zeros(3, 2 * 4864, dtype=dtype))
+    for cache_dtype in (torch.int8, torch.float8_e4m3fn):  # quantized caches (--kv-cache-dtype), both launchers
+        kq, ks = torch.zeros(8, 16, 2, 64, dtype=cache_dtype), torch.zeros(8, 16, 2)
+        for T in (2, 9):
+            K.paged_attention(torch.zeros(T, 14, 64, dtype=dtype), kq, kq, torch.zeros(2, 64, dtype=torch.int32),
+                              torch.tensor([0, 1, T], dtype=torch.int32), torch.tensor([33, 40], dtype=torch.int32),
+                              0.1, ks, ks)
+        K.store_kv(torch.zeros(3, 2, 64, dtype=dtype), torch.zeros(3, 2, 64, dtype=dtype), kq, kq,
+                   torch.zeros(3, dtype=torch.int64), ks, ks)
     kc = torch.zeros(8, 16, 2, 64, dtype=torch.float32)  # fp32 path (ieee dots)
     K.paged_attention(torch.zeros(2, 4, 64), kc, kc, torch.zeros(2, 4, dtype=torch.int32),
                       torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([3, 9], dtype=torch.int32), 0.1)
