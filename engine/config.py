@@ -40,6 +40,7 @@ class EngineConfig:
     kv_offload_gb: float = 0.0  # host memory for a second KV tier (cached blocks evicted from the pool); 0: none
     kv_eviction: str = "slru"  # which free cached block (and host tier entry) goes first: "slru" (ones hit before go last) or "lru"
     prefix_store: bool = True  # pinned prefixes' KV kept on disk under $SLUICE_HOME/prefix-store, loaded on start
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (engine/parallel.py): processes, a GPU each on CUDA
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -63,6 +64,9 @@ class EngineConfig:
         need(self.max_num_partial_prefills > 0, f"max_num_partial_prefills must be positive, got {self.max_num_partial_prefills}")
         need(self.kv_eviction in ("lru", "slru"), f"kv_eviction must be lru or slru, got {self.kv_eviction!r}")
         need(self.kv_offload_gb >= 0.0, f"kv_offload_gb must be >= 0, got {self.kv_offload_gb}")
+        need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        need(self.tensor_parallel_size == 1 or self.kv_offload_gb == 0.0,
+             "kv_offload_gb (the host KV tier) does not run with tensor_parallel_size > 1 yet")
         need(0.0 < self.kv_memory_fraction <= 1.0, f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 
     @property

@@ -20,6 +20,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
 from engine.models import LlamaModel
+from engine.parallel import Shard, Workers
 from engine.prefix_store import PrefixStore
 from engine.processor import InputProcessor
 from engine.request import (Checkpoint, CompletionOutput, PromptTooLongError, Request, RequestOutput, SamplingParams,
@@ -55,9 +56,17 @@ class LLMEngine:
         self.model_name = model_dir.name
         self.device, self.dtype = placement(config)
         self.model_config = mc = loader.load_model_config(model_dir)
-        self.model = model or LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype)
-        # after the weights (CUDA sizing)
-        self.layout = layout = layout or plan_layout(config, mc, self.device, self.dtype)
+        shard = Shard.plan(mc, 0, config.tensor_parallel_size)  # a size that cannot split is refused here, first
+        self.workers = None if shard.world == 1 else Workers(config, model_dir, self.device, self.dtype)
+        try:
+            self.model = model or LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype, shard)
+            # after the weights (CUDA sizing)
+            self.layout = layout = layout or plan_layout(config, mc, self.device, self.dtype)
+            if self.workers is not None:
+                self.workers.send_layout(layout.num_blocks, layout.block_size, layout.max_model_len)
+        except BaseException:
+            self.close()
+            raise
         self.max_model_len = layout.max_model_len
         self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len)
         self.tokenizer = self.processor.tokenizer
@@ -66,7 +75,8 @@ class LLMEngine:
                                           layout.num_host_blocks, config.kv_eviction)
         self.scheduler = Scheduler(config, self.block_manager, layout.max_model_len)
         self.runner = ModelRunner(self.model, layout=layout, max_num_tokens=self.scheduler.whole_prompt_budget,
-                                  max_num_seqs=config.max_num_seqs, seed=config.seed, kv_caches=kv_caches)
+                                  max_num_seqs=config.max_num_seqs, seed=config.seed, kv_caches=kv_caches,
+                                  workers=self.workers)
         if self.device.type == "cpu" and kernels.MODE == "auto":
             kernels.cpu.load(sluice_home() / "build")  # the native CPU kernels; the torch twins if that fails
         self.attention_backend = kernels.attention_backend(self.device, self.dtype, layout.cache_dtype)
@@ -97,6 +107,8 @@ class LLMEngine:
         (`/metrics`) never go back. Its KV layout is this one's (same blocks, same `max_model_len`: what the
         checkpoints were made under). Pools not kept are let go first (a step still running on them keeps them
         until it returns), so the new ones can take their memory."""
+        if self.workers is not None:
+            raise RuntimeError("a tensor-parallel engine is not rebuilt over its old ranks: start the server again")
         kept = self.runner.kv_caches if keep_cache and self.config.enable_prefix_caching else None
         self.runner.kv_caches, self.runner.host_caches = [], []
         if self.device.type == "cuda" and kept is None:
@@ -382,8 +394,14 @@ class LLMEngine:
                 log.warning("cannot write the prefix store: %s: %s", type(e).__name__, e)
         return n
 
+    def close(self) -> None:
+        """Stops the other ranks of a tensor-parallel engine (a no-op otherwise); the engine is unusable after."""
+        if self.workers is not None:
+            self.workers.close()
+
     def _prefix_store(self) -> PrefixStore | None:
-        if not (self.config.prefix_store and self.config.enable_prefix_caching):
+        # NOTE: under tensor parallelism rank 0 holds only its KV heads: the store (and its files) would miss the rest
+        if not (self.config.prefix_store and self.config.enable_prefix_caching) or self.workers is not None:
             return None
         return PrefixStore(sluice_home() / "prefix-store", self.model_dir, self.dtype, self.layout.cache_dtype,
                            self.block_manager.block_size)

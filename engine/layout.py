@@ -11,6 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models import ModelConfig
+from engine.parallel import Shard
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_DTYPES = {**TORCH_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -55,7 +56,8 @@ def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dty
     if kv_dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError("kv_cache_dtype fp8 needs a GPU with fp8 conversions (compute capability 8.9 or newer); "
                          "use int8")
-    bytes_per_block = kv_block_bytes(mc, block_size, kv_dtype)
+    # under tensor parallelism a rank holds its KV heads only: the budget is per rank (per GPU)
+    bytes_per_block = kv_block_bytes(mc, block_size, kv_dtype, Shard.plan(mc, 0, config.tensor_parallel_size).num_kv_heads)
     model_len = config.max_model_len or mc.max_position_embeddings
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
@@ -85,7 +87,8 @@ def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dty
                   None if config.kv_cache_dtype == "auto" else kv_dtype)
 
 
-def kv_block_bytes(mc: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
-    """Bytes of one KV block, every layer: K and V, and their scales in a quantized cache."""
+def kv_block_bytes(mc: ModelConfig, block_size: int, kv_dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes of one KV block, every layer: K and V, and their scales in a quantized cache; of `num_kv_heads` heads
+    (default: the model's)."""
     per_head = mc.head_dim * kv_dtype.itemsize + (4 if kv_dtype in QUANTIZED else 0)
-    return 2 * mc.num_layers * block_size * mc.num_kv_heads * per_head
+    return 2 * mc.num_layers * block_size * (num_kv_heads or mc.num_kv_heads) * per_head

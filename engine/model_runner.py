@@ -22,33 +22,42 @@ from engine.sampler import Sampler
 from engine.scheduler import Batch
 
 
+def kv_pool(model: LlamaModel, layout: Layout, num_blocks: int | None = None, device: torch.device | None = None
+            ) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[tuple[int, ...], torch.dtype]]]:
+    """A zeroed pool of `num_blocks` (default: the layout's) blocks for `model`'s KV heads (its shard's, under
+    tensor parallelism), and the (block shape, dtype) of each part of a layer. NOTE: zeros, not empty: padded
+    block-table entries point at block 0, and stale values must be finite so a masked-out score (weight 0) never
+    turns into 0 * NaN."""
+    shape = (layout.block_size, model.num_kv_heads, model.cfg.head_dim)
+    kv, scale = (shape, layout.cache_dtype), (shape[:2], torch.float32)
+    parts = [kv, kv, scale, scale] if layout.quantized else [kv, kv]
+    n = layout.num_blocks if num_blocks is None else num_blocks
+    pool = [tuple(torch.zeros((n, *s), dtype=d, device=device or layout.device) for s, d in parts)
+            for _ in range(model.cfg.num_layers)]
+    return pool, parts
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, layout: Layout, max_num_tokens: int, max_num_seqs: int, seed: int,
-                 kv_caches: list[tuple[torch.Tensor, ...]] | None = None):
+                 kv_caches: list[tuple[torch.Tensor, ...]] | None = None, workers=None):
         """`max_num_tokens`, `max_num_seqs`: the most tokens and sequences one step may hold. `kv_caches`: the pool
-        of a runner this one replaces, kept with what it holds (else a new one)."""
+        of a runner this one replaces, kept with what it holds (else a new one). `workers`: the other ranks of a
+        tensor-parallel group (engine/parallel.py), sent each step's inputs before its forward."""
         cfg, device = model.cfg, layout.device
         self.model = model
+        self.workers = workers
         self.block_size = layout.block_size
         self.device = device
-        shape = (layout.block_size, cfg.num_kv_heads, cfg.head_dim)
-        kv, scale = (shape, layout.cache_dtype), (shape[:2], torch.float32)
-        self.parts = [kv, kv, scale, scale] if layout.quantized else [kv, kv]  # (shape of a block, dtype) each
+        self.parts = kv_pool(model, layout, 0)[1]  # (shape of a block, dtype) of each part
         self.block_bytes = cfg.num_layers * sum(math.prod(s) * d.itemsize for s, d in self.parts)  # every layer
-
-        def pool(num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-            return [tuple(torch.zeros((num_blocks, *s), dtype=d, device=device) for s, d in self.parts)
-                    for _ in range(cfg.num_layers)]
-
-        # NOTE: zeros, not empty: padded block-table entries point at block 0, and stale values
-        # must be finite so a masked-out score (weight 0) never turns into 0 * NaN.
-        self.kv_caches = kv_caches or pool(layout.num_blocks, device)
+        self.kv_caches = kv_caches or kv_pool(model, layout)[0]
         self.max_blocks_per_seq = -(-layout.max_model_len // layout.block_size)
         pin = device.type == "cuda"
         # the host tier (engine/block_manager.py): slots in host memory, the same layout per layer. NOTE: not pinned:
         # the copies go through pageable temporaries anyway, and torch's pinned allocator rounds every tensor up
         # to a power of two (a 40 GiB tier could pin 64)
-        self.host_caches = pool(layout.num_host_blocks, torch.device("cpu")) if layout.num_host_blocks else []
+        self.host_caches = (kv_pool(model, layout, layout.num_host_blocks, torch.device("cpu"))[0]
+                            if layout.num_host_blocks else [])
         self.copy_seconds = 0.0  # spent in copy_blocks
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
@@ -143,7 +152,10 @@ class ModelRunner:
                 _raw(dst).index_copy_(0, idx, _raw(src[layer].to(dst.dtype)).to(self.device))
 
     def device_ok(self) -> bool:
-        """Does a trivial computation still work on the device? (After a CUDA error none does.)"""
+        """Does a trivial computation still work on the device? (After a CUDA error none does; with a rank of the
+        tensor-parallel group gone, no forward does.)"""
+        if self.workers is not None and not self.workers.alive():
+            return False
         try:
             return torch.ones(1, device=self.device).add_(1).item() == 2.0
         except Exception:
@@ -154,6 +166,8 @@ class ModelRunner:
         rows = [i for i, s in enumerate(samples) if s]
         # with nothing to sample, one row still goes through the LM head: the forward fills the KV cache
         input_ids, meta = self._prepare(batch, rows or [0])
+        if self.workers is not None:
+            self.workers.step(input_ids, meta)
         logits = self.model.forward(input_ids, meta, self.kv_caches)
         if not rows:
             return [], []

@@ -206,6 +206,9 @@ class EngineBridge:
             log.error("%s; the engine failed %d times in %.0f s: giving up", reason, len(self._losses),
                       RESTART_WINDOW_S)
             return self.on_fatal(f"{reason} (the engine failed {len(self._losses)} times in {RESTART_WINDOW_S:.0f} s)")
+        if old.engine is not None and old.engine.workers is not None:  # its ranks share its fate: start again
+            log.error("%s; a tensor-parallel engine is not rebuilt: giving up", reason)
+            return self.on_fatal(f"{reason} (tensor parallel: the server exits, to be started again)")
         if stuck and old.replacement and old.steps_done == 0:  # a hung device hangs every engine built on it
             log.error("%s, and it replaced a failed one without completing a step: giving up", reason)
             return self.on_fatal(f"{reason}; the engine rebuilt after a failure never completed a step")

@@ -17,7 +17,7 @@ from typing import Any
 ENGINE_FIELDS = (
     "model", "dtype", "device", "block_size", "num_kv_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "scheduling", "long_prefill_token_threshold",
-    "max_num_partial_prefills", "itl_slo_ms", "seed", "kv_offload_gb", "kv_cache_dtype",
+    "max_num_partial_prefills", "itl_slo_ms", "seed", "kv_offload_gb", "kv_cache_dtype", "tensor_parallel_size",
 )
 
 
@@ -40,6 +40,7 @@ class ServerConfig:
     seed: int | None = None
     kv_offload_gb: float | None = None
     kv_cache_dtype: str | None = None
+    tensor_parallel_size: int | None = None
     prefix_store: bool = True
     pin_system_prompt: tuple[str, ...] = ()
     # HTTP / WebSocket surface
@@ -167,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"],
                    help="what the KV cache stores: the model's dtype (auto), another float, or int8 / fp8 (e4m3) with a "
                         "scale per token and KV head, ~2x the tokens of bf16 in the same memory (default: auto)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
+                   help="shard the model over N ranks (processes the server starts; on CUDA one GPU each, "
+                        "cuda:0..N-1): each holds 1/N of the weights and of the KV cache (default: 1)")
     e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
                    help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
                         "start instead of computing it (default: on)")

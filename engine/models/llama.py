@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from engine.parallel import Shard, all_gather_rows, all_reduce
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -138,31 +139,52 @@ class AttentionMetadata:
 
 
 class LlamaModel:
-    """Holds fused weights (qkv, gate_up) and runs the forward; KV caches are owned by the runner."""
+    """Holds fused weights (qkv, gate_up) and runs the forward; KV caches are owned by the runner.
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    With a `shard` of a tensor-parallel group (engine/parallel.py) it holds that rank's part: its query and KV
+    heads, MLP rows and vocabulary rows; the forward then all-reduces after o and down and the embedding, and
+    gathers the logits, so every rank returns the whole [B, vocab]."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 shard: Shard | None = None):
         self.cfg = cfg
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.shard = sh = shard or Shard.plan(cfg)
+        D = cfg.head_dim
+        self.num_heads, self.num_kv_heads = sh.num_heads, sh.num_kv_heads
+        self.q_size = sh.num_heads * D
+        self.kv_size = sh.num_kv_heads * D
+        self.scale = D**-0.5
 
-        def w(name: str) -> torch.Tensor:
+        def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint lacks tensor {name!r}")
-            return weights.pop(name).to(device=device, dtype=dtype)
+            return weights.pop(name)
 
-        self.embed = w("model.embed_tokens.weight")
+        def w(name: str) -> torch.Tensor:
+            return take(name).to(device=device, dtype=dtype)
+
+        def qkv(kind: str) -> torch.Tensor:  # this rank's heads of q_proj, k_proj, v_proj (weight or bias)
+            t = take(f"{p}self_attn.{kind[0]}_proj.{kind[2:]}")
+            start, n = (sh.head_start, sh.num_heads) if kind[0] == "q" else (sh.kv_head_start, sh.num_kv_heads)
+            return sh.rows(t, start, n, D).to(device=device, dtype=dtype)
+
+        def cols(name: str, start: int, n: int) -> torch.Tensor:  # input columns: a row-parallel weight
+            return w(name)[:, start : start + n].contiguous()
+
+        self.embed = sh.rows(w("model.embed_tokens.weight"), sh.rank * sh.vocab, sh.vocab)
         self.layers = []
+        I = sh.intermediate  # noqa: E741
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             layer = {
                 "in_norm": w(p + "input_layernorm.weight"),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "qkv": Linear(torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                              torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if cfg.attention_bias else None),
-                "o": Linear(w(p + "self_attn.o_proj.weight")),
-                "gate_up": Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                "down": Linear(w(p + "mlp.down_proj.weight")),
+                "qkv": Linear(torch.cat([qkv(f"{x}.weight") for x in "qkv"]),
+                              torch.cat([qkv(f"{x}.bias") for x in "qkv"]) if cfg.attention_bias else None),
+                "o": Linear(cols(p + "self_attn.o_proj.weight", sh.head_start * D, self.q_size)),
+                "gate_up": Linear(torch.cat([sh.rows(w(p + f"mlp.{x}_proj.weight"), sh.rank * I, I)
+                                             for x in ("gate", "up")])),
+                "down": Linear(cols(p + "mlp.down_proj.weight", sh.rank * I, I)),
             }
             if cfg.qk_norm:
                 layer["q_norm"] = w(p + "self_attn.q_norm.weight")
@@ -172,7 +194,7 @@ class LlamaModel:
         if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = Linear(self.embed, pack=False)  # the embedding lookup needs the plain tensor
         else:
-            self.lm_head = Linear(w("lm_head.weight"))
+            self.lm_head = Linear(sh.rows(w("lm_head.weight"), sh.rank * sh.vocab, sh.vocab))
         self.cos_sin = cos_sin_cache(cfg, cfg.max_position_embeddings, device)
 
     @torch.inference_mode()
@@ -182,8 +204,13 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, ...]],  # per layer (k_cache, v_cache), quantized + (k_scale, v_scale)
     ) -> torch.Tensor:  # [B, vocab] float32 logits of each sequence's last new token
-        cfg, T = self.cfg, input_ids.shape[0]
-        h = self.embed[input_ids]  # (T, H)
+        cfg, T, sh = self.cfg, input_ids.shape[0], self.shard
+        if sh.world == 1:
+            h = self.embed[input_ids]  # (T, H)
+        else:  # this rank's vocabulary rows; the others' ids look up zeros, and the sum has every row once
+            local = input_ids - sh.rank * sh.vocab
+            here = (local >= 0) & (local < sh.vocab)
+            h = all_reduce(self.embed[local.clamp(0, sh.vocab - 1)] * here[:, None].to(self.embed.dtype), sh)
         residual = None
         for layer, (k_cache, v_cache, *scales) in zip(self.layers, kv_caches):
             if residual is None:
@@ -193,9 +220,9 @@ class LlamaModel:
                 x, residual = kernels.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
             qkv = layer["qkv"](x)  # (T, q + 2kv)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # copies: kernels want contiguous heads
-            k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim).contiguous()
+            q = q.reshape(T, self.num_heads, cfg.head_dim)  # copies: kernels want contiguous heads
+            k = k.reshape(T, self.num_kv_heads, cfg.head_dim)
+            v = v.reshape(T, self.num_kv_heads, cfg.head_dim).contiguous()
             if cfg.qk_norm:
                 q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), layer["q_norm"], cfg.rms_norm_eps).view_as(q)
                 k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), layer["k_norm"], cfg.rms_norm_eps).view_as(k)
@@ -205,9 +232,9 @@ class LlamaModel:
             o = kernels.paged_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, self.scale, *scales
             )  # (T, Hq, D)
-            h = layer["o"](o.view(T, self.q_size))
+            h = all_reduce(layer["o"](o.view(T, self.q_size)), sh)
             x, residual = kernels.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
-            h = layer["down"](kernels.silu_and_mul(layer["gate_up"](x)))
+            h = all_reduce(layer["down"](kernels.silu_and_mul(layer["gate_up"](x))), sh)
         last_h = h[meta.logits_indices]  # only the last token of each sequence reaches the LM head
         last_h, _ = kernels.rms_norm(last_h, self.norm, cfg.rms_norm_eps, residual[meta.logits_indices])
-        return self.lm_head(last_h).float()
+        return all_gather_rows(self.lm_head(last_h).float(), sh)[:, : cfg.vocab_size]

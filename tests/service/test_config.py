@@ -74,6 +74,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_ENGINE_ITERATION_TIMEOUT_S": "0", "SLUICE_KV_OFFLOAD_GB": "1.5",
         "SLUICE_PREFIX_STORE": "off",
         "SLUICE_KV_CACHE_DTYPE": "int8",
+        "SLUICE_TENSOR_PARALLEL_SIZE": "2",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -85,7 +86,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
         timeout_graceful_shutdown=2.5, log_level="debug", max_pending_auth=7, max_http_connections=99,
         timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_keep_alive=4, engine_iteration_timeout_s=0.0,
-        kv_offload_gb=1.5, prefix_store=False, kv_cache_dtype="int8")
+        kv_offload_gb=1.5, prefix_store=False, kv_cache_dtype="int8", tensor_parallel_size=2)
 
 
 def test_flags_win_over_variables_and_empty_means_unset(tmp_path) -> None:
