@@ -57,16 +57,36 @@ class LLMEngine:
         self.device, self.dtype = placement(config)
         self.model_config = mc = loader.load_model_config(model_dir)
         shard = Shard.plan(mc, 0, config.tensor_parallel_size)  # a size that cannot split is refused here, first
+        # the other ranks load their shards while this one loads its own
         self.workers = None if shard.world == 1 else Workers(config, model_dir, self.device, self.dtype)
         try:
-            self.model = model or LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype, shard)
-            # after the weights (CUDA sizing)
-            self.layout = layout = layout or plan_layout(config, mc, self.device, self.dtype)
-            if self.workers is not None:
-                self.workers.send_layout(layout.num_blocks, layout.block_size, layout.max_model_len)
+            self._build(model, layout, kv_caches, shard)
         except BaseException:
-            self.close()
+            self.close()  # no rank outlives an engine that could not start
             raise
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+        layout = self.layout
+        log.info(
+            "engine ready: model=%s device=%s dtype=%s kv_cache_dtype=%s kv_blocks=%d host_kv_blocks=%d block_size=%d "
+            "max_model_len=%d attention=%s", self.model_name, self.device, self.dtype,
+            str(layout.cache_dtype).removeprefix("torch."), layout.num_blocks, layout.num_host_blocks,
+            layout.block_size, layout.max_model_len, self.attention_backend,
+        )
+
+    def _build(self, model: LlamaModel | None, layout: Layout | None, kv_caches: list | None, shard: Shard) -> None:
+        config, mc, model_dir = self.config, self.model_config, self.model_dir
+        self.model = model or LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype, shard)
+        if self.workers is not None:
+            self.workers.join()
+        # after the weights (CUDA sizing)
+        self.layout = layout = layout or plan_layout(config, mc, self.device, self.dtype)
+        if self.workers is not None:
+            self.workers.send_layout(layout.num_blocks, layout.block_size, layout.max_model_len)
         self.max_model_len = layout.max_model_len
         self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len)
         self.tokenizer = self.processor.tokenizer
@@ -80,18 +100,6 @@ class LLMEngine:
         if self.device.type == "cpu" and kernels.MODE == "auto":
             kernels.cpu.load(sluice_home() / "build")  # the native CPU kernels; the torch twins if that fails
         self.attention_backend = kernels.attention_backend(self.device, self.dtype, layout.cache_dtype)
-        self.requests: dict[str, Request] = {}
-        self._aborted: list[RequestOutput] = []
-        self._ids = itertools.count()
-        self.num_steps = 0
-        self.prompt_tokens_computed = 0
-        self.generation_tokens = 0
-        log.info(
-            "engine ready: model=%s device=%s dtype=%s kv_cache_dtype=%s kv_blocks=%d host_kv_blocks=%d block_size=%d "
-            "max_model_len=%d attention=%s", self.model_name, self.device, self.dtype,
-            str(layout.cache_dtype).removeprefix("torch."), layout.num_blocks, layout.num_host_blocks,
-            layout.block_size, layout.max_model_len, self.attention_backend,
-        )
 
     # -- requests --------------------------------------------------------------------------
 
@@ -232,6 +240,8 @@ class LLMEngine:
         in halves, outputs discarded, down to those that fail alone, and drop only them (`StepError`). The rest
         are not committed and run again from the next step. If no request fails alone, all of them are dropped."""
         ids = [r.request_id for r in batch.reqs]
+        if self.workers is not None:  # its ranks may be anywhere in that forward: another collective would hang
+            raise DeviceError(f"a tensor-parallel step failed ({error!r}); its ranks are out of step") from error
         log.warning("step failed (%s: %s); retrying its %d requests", type(error).__name__, error, len(ids))
         _restore(rng)
         try:

@@ -78,8 +78,8 @@ class Shard:
         """Rows [start * unit, (start + n) * unit) of w (a weight or bias), zero-padded past its end."""
         out = w[start * unit : (start + n) * unit]
         if out.shape[0] < n * unit:
-            out = torch.cat([out, out.new_zeros(n * unit - out.shape[0], *out.shape[1:])])
-        return out
+            return torch.cat([out, out.new_zeros(n * unit - out.shape[0], *out.shape[1:])])
+        return out if self.world == 1 else out.clone()  # a view would keep the whole tensor alive
 
 
 def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -108,7 +108,10 @@ JOIN_TIMEOUT = datetime.timedelta(seconds=120)  # from the last rank ready to th
 
 def _init(rank: int, world: int, port: int, device: torch.device) -> None:
     # NOTE: the rendezvous is bounded (every rank is loaded by then); the collectives are not: an idle server waits
-    # for its next step for as long as it is idle, and a dead peer ends a collective with an error, not a timeout
+    # for its next step for as long as it is idle. A dead peer ends a gloo collective with an error; NCCL would wait
+    # (rank 0 checks its ranks before each step; the service's step watchdog catches one dying mid-step).
+    # All ranks are on this host: gloo talks over loopback.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=JOIN_TIMEOUT)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(days=365))
@@ -119,42 +122,56 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 class Workers:
-    """Rank 0's side: starts ranks 1..N-1, joins the process group, broadcasts each step, stops them."""
+    """Rank 0's side: starts ranks 1..N-1 (`__init__`), joins the process group once every rank has loaded its
+    shard (`join`), broadcasts each step, stops them (`close`)."""
 
     def __init__(self, config, model_dir: Path, device: torch.device, dtype: torch.dtype):
         self.world = config.tensor_parallel_size
         self.device = device
-        self.closed = False
-        port = _free_port()
+        self.closed = self.joined = self.layout_sent = False
+        self.port = _free_port()
         ctx = mp.get_context("spawn")
-        pipes = [ctx.Pipe(duplex=False) for _ in range(1, self.world)]
+        self.pipes = [ctx.Pipe() for _ in range(1, self.world)]
         self.procs = [ctx.Process(target=_worker_main, name=f"sluice-tp-rank{r}", daemon=True,
-                                  args=(r, self.world, port, config, str(model_dir), str(device), dtype, os.getpid(),
-                                        pipes[r - 1][1]))
+                                  args=(r, self.world, self.port, config, str(model_dir), str(device), dtype,
+                                        os.getpid(), self.pipes[r - 1][1]))
                       for r in range(1, self.world)]
         for p in self.procs:
             p.start()
-        # every rank says when its shard is loaded; one that dies first would never join: watched, not waited for
-        for p, (ready, _) in zip(self.procs, pipes):
-            while not ready.poll(0.2):
-                if not p.is_alive():
-                    self.close()
-                    raise RuntimeError(f"tensor-parallel {p.name} died while starting (its error is in the log)")
-            ready.recv()
-        _init(0, self.world, port, device)
-        self.header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+        for _, child_end in self.pipes:
+            child_end.close()  # the child has its own: a rank waiting for "go" then sees EOF when this end closes
+
+    def join(self) -> None:
+        """Waits until every rank has loaded its shard (one that dies first fails this at once: watched, not waited
+        for), then they all join the group together: the rendezvous only waits for ranks that are ready."""
+        for p, (conn, _) in zip(self.procs, self.pipes):
+            try:
+                while not conn.poll(0.2):
+                    if not p.is_alive():
+                        raise EOFError
+                conn.recv()
+            except (EOFError, OSError):
+                raise RuntimeError(f"tensor-parallel {p.name} died while starting (its error is in the log)") from None
+        for conn, _ in self.pipes:
+            conn.send(True)  # go
+        _init(0, self.world, self.port, self.device)
+        self.joined = True
+        self.header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
 
     def send_layout(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        """What rank 0 planned (its memory decides): every rank builds the same pool."""
+        """What rank 0 planned (its memory decides): every rank builds the same pool. (-1 blocks: stop.)"""
         dist.broadcast(torch.tensor([num_blocks, block_size, max_model_len], device=self.device), src=0)
+        self.layout_sent = True
 
     def step(self, input_ids: torch.Tensor, meta) -> None:
         """Sends this step's inputs; the caller then runs the forward, as every rank does."""
+        if not self.alive():  # NOTE: NCCL would wait for a dead peer; gloo would fail, but only mid-collective
+            raise RuntimeError("a tensor-parallel rank is gone")
         T, (B, mb) = input_ids.shape[0], meta.block_tables.shape
-        self.header.copy_(torch.tensor([_STEP, T, B, mb, meta.logits_indices.shape[0], 0]))
-        dist.broadcast(self.header, src=0)
         payload = torch.cat([input_ids, meta.positions, meta.slot_mapping, meta.block_tables.reshape(-1).long(),
                              meta.cu_seqlens_q.long(), meta.seq_lens.long(), meta.logits_indices.long()])
+        self.header.copy_(torch.tensor([_STEP, T, B, mb, meta.logits_indices.shape[0], 0]))
+        dist.broadcast(self.header, src=0)
         dist.broadcast(payload, src=0)
 
     def alive(self) -> bool:
@@ -165,17 +182,22 @@ class Workers:
             return
         self.closed = True
         try:
-            if self.alive() and hasattr(self, "header"):
-                self.header.zero_()  # _STOP
-                dist.broadcast(self.header, src=0)
+            if self.joined and self.alive():  # tell them in what they wait for: the layout, or the next step
+                if self.layout_sent:
+                    self.header.zero_()  # _STOP
+                    dist.broadcast(self.header, src=0)
+                else:
+                    self.send_layout(-1, 0, 0)
         except Exception:  # noqa: BLE001 — a peer already gone: nothing left to tell
             pass
+        for conn, _ in self.pipes:
+            conn.close()  # a rank still loading, or waiting for "go", stops
         for p in self.procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join()
-        if dist.is_initialized() and hasattr(self, "header"):  # joined
+        if self.joined and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -208,6 +230,7 @@ def _worker_main(rank: int, world: int, port: int, config, model_dir: str, devic
     import kernels
 
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))  # N ranks share the cores rank 0 was given
     dev = rank_device(torch.device(device), rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -216,11 +239,18 @@ def _worker_main(rank: int, world: int, port: int, config, model_dir: str, devic
     mc = loader.load_model_config(model_dir)
     shard = Shard.plan(mc, rank, world)
     model = LlamaModel(mc, loader.load_weights(model_dir), dev, dtype, shard)
-    ready.send(True)
+    try:
+        ready.send(True)
+        ready.recv()  # every rank is loaded: join
+    except (EOFError, OSError):  # rank 0 gave up before the group formed
+        return
     _init(rank, world, port, dev)
     sizes = torch.zeros(3, dtype=torch.int64, device=dev)
     dist.broadcast(sizes, src=0)
     num_blocks, block_size, max_model_len = sizes.tolist()
+    if num_blocks < 0:  # rank 0 could not start
+        dist.destroy_process_group()
+        return
     kv_dtype = None if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
     layout = Layout(dev, dtype, block_size, num_blocks, max_model_len, 0, kv_dtype)
     caches, _ = kv_pool(model, layout)

@@ -50,9 +50,12 @@ class EngineBridge:
     loop's one registry of requests in flight (`_handles`)."""
 
     def __init__(self, engine_factory: Callable[[], LLMEngine], *, max_queued: int,
-                 pinned_system_prompts: Sequence[str] = (), metrics: Any = None, step_timeout: float = 0.0) -> None:
-        """`step_timeout`: seconds a step may run before its engine is declared stuck and replaced (0: never)."""
+                 pinned_system_prompts: Sequence[str] = (), metrics: Any = None, step_timeout: float = 0.0,
+                 rebuildable: bool = True) -> None:
+        """`step_timeout`: seconds a step may run before its engine is declared stuck and replaced (0: never).
+        `rebuildable`: False for a tensor-parallel engine, whose ranks share its fate: a loss then gives up."""
         self._factory = engine_factory
+        self._rebuildable = rebuildable
         self._pinned = list(pinned_system_prompts)
         self._max_queued = max_queued
         self._metrics = metrics
@@ -206,7 +209,7 @@ class EngineBridge:
             log.error("%s; the engine failed %d times in %.0f s: giving up", reason, len(self._losses),
                       RESTART_WINDOW_S)
             return self.on_fatal(f"{reason} (the engine failed {len(self._losses)} times in {RESTART_WINDOW_S:.0f} s)")
-        if old.engine is not None and old.engine.workers is not None:  # its ranks share its fate: start again
+        if not self._rebuildable:  # a tensor-parallel engine: its ranks share its fate, start the server again
             log.error("%s; a tensor-parallel engine is not rebuilt: giving up", reason)
             return self.on_fatal(f"{reason} (tensor parallel: the server exits, to be started again)")
         if stuck and old.replacement and old.steps_done == 0:  # a hung device hangs every engine built on it

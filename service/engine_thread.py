@@ -164,6 +164,7 @@ class EngineThread:
                        EngineReady(engine.model_name, engine.max_model_len, engine.stats(), processor))
             while self._iteration(engine):
                 pass
+            engine.close()  # told to stop: a tensor-parallel engine's other ranks stop with it
         except SystemExit:
             pass
         except BaseException as e:  # NOTE: the thread must never die silently; the loop decides what comes next

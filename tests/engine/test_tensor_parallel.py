@@ -117,3 +117,49 @@ def _alive(pid: int) -> bool:
         return False
     state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
     return bool(state) and not state.startswith("Z")
+
+
+def test_an_engine_that_cannot_start_stops_its_ranks(tiny_model_dir) -> None:
+    """Rank 0 fails after the group formed but before the ranks got the pool's size (a max_model_len that does not
+    fit): the ranks hear "stop" in what they wait for, and exit cleanly."""
+    before = _children()
+    with pytest.raises(ValueError, match="needs more KV"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=4, max_model_len=512,
+                               tensor_parallel_size=2))
+    deadline = time.monotonic() + 20
+    while {pid for pid in _children() - before if _alive(pid) and "resource_tracker" not in _args(pid)}:
+        assert time.monotonic() < deadline, "a rank outlived the engine that could not start"
+        time.sleep(0.2)
+
+
+def _args(pid: int) -> str:
+    return subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(pid)], capture_output=True, text=True).stdout
+
+
+def test_a_vocabulary_that_does_not_split_evenly(tiny_model_dir, tmp_path) -> None:
+    """Vocabulary 1,001 over two ranks: rank 1's last embedding and LM-head row is padding, never looked up and never
+    sampled; the tokens equal one rank's (tied embeddings, so the LM head is the padded shard too)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from engine.tiny import hf_shape_configs
+
+    cfg = hf_shape_configs()["llama-gqa-tied"]
+    cfg.vocab_size = 1001
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_model_dir / f).exists():
+            shutil.copy(tiny_model_dir / f, tmp_path / f)
+    prompts = [[3 + (i * 7 + 11 * p) % 998 for i in range(10 + 13 * p)] for p in range(6)] + [[1000, 999, 1000]]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = {}
+    for tp in (1, 2):
+        eng = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=256,
+                                     tensor_parallel_size=tp))
+        try:
+            got[tp] = [o.token_ids for o in eng.generate(prompts, greedy)]
+        finally:
+            eng.close()
+    assert got[2] == got[1] and all(t < 1001 for seq in got[2] for t in seq)
