@@ -1,7 +1,13 @@
 """Turns last-token logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
-All vocabulary work is batched tensor ops; Python loops run over requests only. A seeded request
+All vocabulary work is batched tensor ops; Python loops run over seeded requests only. A seeded request
 draws from its own generator, so its samples do not depend on what else is in the batch.
+
+Sampling sorts nothing (`sample`): top-k is a partial top-k, min-p a comparison with the row's max, and the
+nucleus (top-p) is found by rejection, as FlashInfer's sampling kernels do: draw from the allowed tokens by
+inverse CDF, accept if the tokens more probable than the draw hold less than top_p, else draw again from
+those only. `filter_logits` (a full sort) defines the same support: tests hold one to the other, and it
+serves the rare row still drawing after `MAX_ROUNDS`.
 """
 from __future__ import annotations
 
@@ -55,6 +61,62 @@ def filter_logits(
     return logits
 
 
+MAX_ROUNDS = 8  # rejection rounds before a row falls back to the sorted filter
+
+
+def _uniforms(gens: list[torch.Generator | None], default: torch.Generator, device: torch.device) -> torch.Tensor:
+    """One U[0, 1) per row: a seeded row's from its own generator, every other row's from one call on `default`."""
+    u = torch.empty(len(gens), device=device)
+    rest = [j for j, g in enumerate(gens) if g is None]
+    if rest:
+        u[rest] = torch.rand(len(rest), generator=default, device=device)
+    for j, g in enumerate(gens):
+        if g is not None:
+            u[j] = torch.rand(1, generator=g, device=device)[0]
+    return u
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A token per row, drawn with probability proportional to `weights` (>= 0, some > 0), for uniforms `u`."""
+    cdf = weights.cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=weights.shape[1] - 1)
+
+
+def sample(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+           gens: list[torch.Generator | None], default: torch.Generator) -> torch.Tensor:
+    """A token per row of `probs` [R, V], drawn from it restricted to `filter_logits`' support: the row's top_k
+    (0: all), its nucleus of mass top_p (1.0: all; measured on the whole distribution) and its min_p set."""
+    R, V = probs.shape
+    allowed = torch.ones_like(probs, dtype=torch.bool)
+    if bool((top_k > 0).any()):
+        kth = probs.topk(int(top_k.clamp(max=V).max()), dim=-1).values  # [R, kmax], descending
+        kth = kth.gather(1, (top_k.clamp(1, V) - 1)[:, None])
+        allowed &= (probs >= kth) | (top_k <= 0)[:, None]
+    if bool((min_p > 0).any()):
+        allowed &= probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
+    weights = probs * allowed
+    out = torch.empty(R, dtype=torch.long, device=probs.device)
+    todo = torch.arange(R, device=probs.device)
+    for _ in range(MAX_ROUNDS):
+        w, p = weights[todo], probs[todo]
+        x = _inverse_cdf(w, _uniforms([gens[i] for i in todo.tolist()], default, probs.device))
+        px = p.gather(1, x[:, None])  # [n, 1]
+        # in the nucleus: the tokens more probable than x hold less than top_p (the best token always is)
+        ok = ((p * (p > px)).sum(-1) < top_p[todo]) | (top_p[todo] >= 1.0)
+        ok &= w.gather(1, x[:, None]).squeeze(1) > 0
+        out[todo[ok]] = x[ok]
+        if bool(ok.all()):
+            return out
+        # x is outside the nucleus: every nucleus token is more probable than x; draw again from those
+        bad = ~ok
+        weights[todo[bad]] = w[bad] * (p[bad] > px[bad])
+        todo = todo[bad]
+    rows = todo.tolist()  # the last few: the sorted filter, then one draw
+    kept = filter_logits(probs[todo].log(), top_k[todo], top_p[todo], min_p[todo]).softmax(-1)
+    out[todo] = _inverse_cdf(kept, _uniforms([gens[i] for i in rows], default, probs.device))
+    return out
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device):
         self.device = device
@@ -76,23 +138,15 @@ class Sampler:
         if rand:
             params = [reqs[i].params for i in rand]
             dev = logits.device
-            sub = logits[rand] / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+            probs = (logits[rand] / torch.tensor([p.temperature for p in params], device=dev)[:, None]).softmax(-1)
             V = logits.shape[1]
-            sub = filter_logits(
-                sub,
+            tokens[rand] = sample(
+                probs,
                 torch.tensor([min(p.top_k, V) for p in params], device=dev),
                 torch.tensor([p.top_p for p in params], device=dev),
                 torch.tensor([p.min_p for p in params], device=dev),
-                use_top_k_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-                use_min_p=any(p.min_p > 0 for p in params),
+                [reqs[i].generator for i in rand], self.generator,
             )
-            probs = sub.softmax(-1)
-            # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) samples p.
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(rand):
-                gen = reqs[i].generator or self.generator
-                noise[j].exponential_(generator=gen)
-            tokens[rand] = (probs / noise).argmax(-1)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]

@@ -127,3 +127,14 @@ def test_kvquant_reports_accuracy_kernels_and_capacity(tiny_model_dir, tmp_path)
     # the tiny model's head dim is 32: an int8 head is 32 + 4 (scale) bytes against 64 in bf16, 128 in fp32
     assert speed["int8"]["kv_blocks"] >= 1.7 * speed["auto"]["kv_blocks"]
     assert speed["int8"]["throughput_tok_s"] > 0 and speed["auto"]["output_tokens"] == speed["int8"]["output_tokens"]
+
+
+def test_host_reports_each_phase_and_the_sorted_baseline(tiny_model_dir, tmp_path) -> None:
+    data = json.loads((quick(["host"], tiny_model_dir, tmp_path) / "host.json").read_text())
+    rows = {r["system"]: r for r in data["rows"]}
+    assert set(rows) == {f"batch {b} {m}" for b in (1, 8) for m in ("greedy", "top-p", "top-p (sorted)")}
+    for r in rows.values():
+        assert r["step_ms"] >= r["forward_ms"] > 0 and r["host_ms"] > 0 and 0 < r["host_share"] < 1
+        phases = r["schedule_ms"] + r["prepare_ms"] + r["sample_ms"] + r["forward_ms"]
+        assert phases <= r["step_ms"] * 1.01 and r["outputs_ms"] >= -0.01
+    assert data["targets"][0]["value"] is not None  # the ratio against the baseline, measured in the same run

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.request import Request
+from engine import sampler as sampler_mod
 from engine.sampler import apply_penalties, filter_logits
 
 N = 16  # new tokens per request: enough to see divergence, cheap on 2 cores
@@ -294,3 +295,55 @@ def test_eos_is_respected_unless_ignore_eos(eng, ref):
         eng.eos_token_ids = saved
     assert stopped.finish_reason == "stop" and stopped.token_ids == ref[: i + 1]
     assert ignored.finish_reason == "length" and ignored.token_ids == ref
+
+
+# ---- sample(): no sort, the nucleus by rejection ----------------------------------------------------------
+SAMPLE_CASES = [  # (top_k, top_p, min_p)
+    (0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (0, 0.9, 0.0), (4, 0.8, 0.0), (0, 1.0, 0.2), (5, 0.7, 0.1), (1, 1.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("rounds", [sampler_mod.MAX_ROUNDS, 0], ids=["rejection", "fallback"])
+@pytest.mark.parametrize("case", SAMPLE_CASES, ids=str)
+def test_sample_draws_from_the_filtered_distribution(monkeypatch, rounds, case):
+    """20,000 draws of one 8-token distribution equal filter_logits' support renormalized, by a chi-square test
+    whose false-failure rate is 1e-6 (a fixed seed: the outcome is deterministic); never a token outside it."""
+    monkeypatch.setattr(sampler_mod, "MAX_ROUNDS", rounds)
+    top_k, top_p, min_p = case
+    probs = torch.tensor([0.30, 0.22, 0.15, 0.12, 0.09, 0.06, 0.04, 0.02])
+    n = 20_000
+    kept = filter_logits(probs.log()[None], torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))[0]
+    want = kept.softmax(-1)
+    g = torch.Generator().manual_seed(0)
+    draws = sampler_mod.sample(probs.expand(n, -1).clone(), torch.full((n,), top_k), torch.full((n,), top_p),
+                               torch.full((n,), min_p), [None] * n, g)
+    counts = torch.bincount(draws, minlength=8).double()
+    assert not counts[want == 0].any(), (counts, want)
+    support = want > 0
+    if support.sum() > 1:
+        expected = n * want[support].double()
+        chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+        dof = int(support.sum()) - 1
+        assert chi2 < _chi2_isf(1e-6, dof), (chi2, counts, expected)
+
+
+def _chi2_isf(q: float, dof: int) -> float:
+    """x with P(chi2_dof > x) = q, by bisection on the regularized upper incomplete gamma function."""
+    lo, hi = 0.0, 500.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        tail = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(mid / 2, dtype=torch.float64)))
+        lo, hi = (mid, hi) if tail > q else (lo, mid)
+    return hi
+
+
+def test_sample_stays_in_the_support_of_random_rows():
+    g = torch.Generator().manual_seed(3)
+    R, V = 512, 300
+    probs = (torch.randn(R, V, generator=g) * 3).softmax(-1)
+    top_k = torch.randint(0, 40, (R,), generator=g)
+    top_p = torch.rand(R, generator=g).clamp(min=0.05)
+    min_p = torch.rand(R, generator=g) * 0.2
+    draws = sampler_mod.sample(probs, top_k, top_p, min_p, [None] * R, torch.Generator().manual_seed(1))
+    kept = filter_logits(probs.log(), top_k, top_p, min_p)
+    assert torch.isfinite(kept.gather(1, draws[:, None])).all()

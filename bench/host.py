@@ -1,0 +1,149 @@
+"""host: how much of an engine step is host work, outside the model's forward (issue 15: on a GPU the forward
+takes a fraction of the step; this part can be measured, and improved, on a CPU).
+
+A decode-only batch of `batch` requests steps `steps` times (after warm-up steps), greedy or with temperature
+0.8 and top-p 0.9. Each phase is timed by wrapping the engine's own functions: `schedule`, `prepare` (the
+step's metadata), `forward` (the model: on a CPU its kernels), `sample`, and the rest of the step (`outputs`:
+committing, detokenizing, stop checks, building each RequestOutput). Host time = step wall time - forward.
+Rows give medians per step; `host_us_per_seq` divides the host time by the batch. The `sorted` rows run the same
+steps with the sampler as it was before issue 15 (a full-vocabulary sort for top-k/top-p, one exponential draw
+per request in a Python loop), swapped in for this run: the baseline, measured side by side.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+import engine.sampler
+from bench import report
+from bench.common import Run, model_config
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.sampler import filter_logits
+
+PHASES = ("schedule", "prepare", "forward", "sample")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    batches: tuple[int, ...]
+    warmup_steps: int
+    steps: int
+    prompt: int
+
+
+FULL = Sizes((1, 64, 256), 4, 16, 16)
+QUICK = Sizes((1, 8), 1, 3, 8)
+
+
+class _Timed:
+    """Calls `fn`, adding its wall time to `spent[name]`; other attributes pass through to `obj` (if any)."""
+
+    def __init__(self, fn, spent: dict[str, float], name: str, obj=None):
+        self.fn, self.spent, self.name, self.obj = fn, spent, name, obj
+
+    def __getattr__(self, attr):
+        return getattr(self.obj, attr)
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.spent[self.name] += time.perf_counter() - t
+
+
+def sorted_sample(probs, top_k, top_p, min_p, gens, default) -> torch.Tensor:
+    """The sampler before issue 15, the baseline: filter by a full sort, then an exponential race, one
+    `exponential_` call per request."""
+    kept = filter_logits(probs.log(), top_k, top_p, min_p).softmax(-1)
+    noise = torch.empty_like(kept)
+    for j, g in enumerate(gens):
+        noise[j].exponential_(generator=g or default)
+    return (kept / noise).argmax(-1)
+
+
+def measure_batch(run: Run, sz: Sizes, batch: int, params: SamplingParams, baseline: bool = False) -> dict:
+    vocab = model_config(run.model_dir)["vocab_size"]
+    eng = LLMEngine(EngineConfig(model=str(run.model_dir), dtype=run.dtype, max_num_seqs=max(batch, 1),
+                                 max_num_batched_tokens=max(2048, batch * sz.prompt), seed=run.seed,
+                                 max_model_len=sz.prompt + sz.warmup_steps + sz.steps + 80))
+    spent = dict.fromkeys((*PHASES, "step"), 0.0)
+    eng.scheduler.schedule = _Timed(eng.scheduler.schedule, spent, "schedule")
+    eng.runner._prepare = _Timed(eng.runner._prepare, spent, "prepare")
+    eng.runner.model.forward = _Timed(eng.runner.model.forward, spent, "forward")
+    sampler = eng.runner.sampler
+    eng.runner.sampler = _Timed(sampler, spent, "sample", sampler)
+    rng = run.rng(f"host:{batch}")
+    n = sz.warmup_steps + sz.steps
+    for i in range(batch):
+        eng.add_request(f"r{i}", run.tokens(rng, sz.prompt, vocab), replace(params, max_tokens=n + 64, ignore_eos=True))
+    while any(r.num_output_tokens == 0 for r in eng.requests.values()):
+        eng.step()  # the prompts (their first tokens come out here)
+    for _ in range(sz.warmup_steps):
+        eng.step()
+    per_step: list[dict[str, float]] = []
+    current = engine.sampler.sample
+    engine.sampler.sample = sorted_sample if baseline else current
+    try:
+        for _ in range(sz.steps):
+            before = dict(spent)
+            t = time.perf_counter()
+            outs = eng.step()
+            wall = time.perf_counter() - t
+            assert sum(len(o.new_token_ids) for o in outs) == batch, "a step that is not one decode per request"
+            per_step.append({**{k: spent[k] - before[k] for k in PHASES}, "step": wall})
+    finally:
+        engine.sampler.sample = current
+    med = {k: statistics.median(s[k] for s in per_step) for k in (*PHASES, "step")}
+    host = statistics.median(s["step"] - s["forward"] for s in per_step)
+    ms = lambda x: round(1000 * x, 3)  # noqa: E731
+    name = f"batch {batch} {'greedy' if params.temperature == 0 else 'top-p'}{' (sorted)' if baseline else ''}"
+    return {"system": name, "batch": batch,
+            "step_ms": ms(med["step"]), "forward_ms": ms(med["forward"]), "host_ms": ms(host),
+            "host_us_per_seq": round(1e6 * host / batch, 1), "host_share": round(host / med["step"], 3),
+            "schedule_ms": ms(med["schedule"]), "prepare_ms": ms(med["prepare"]), "sample_ms": ms(med["sample"]),
+            "outputs_ms": ms(med["step"] - sum(med[k] for k in PHASES))}
+
+
+def main(run: Run) -> dict:
+    sz = QUICK if run.quick else FULL
+    modes = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=None))
+    rows = []
+    for batch in sz.batches:
+        for params, baseline in ((modes[0], False), (modes[1], True), (modes[1], False)):
+            best = None
+            for _ in range(run.rounds):  # the fastest round: noise only ever slows a step down
+                row = measure_batch(run, sz, batch, params, baseline)
+                best = row if best is None or row["host_ms"] < best["host_ms"] else best
+            rows.append(best)
+    by = {r["system"]: r for r in rows}
+    b = max(sz.batches)
+
+    def plot():
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        names = [r["system"] for r in rows]
+        bottom = [0.0] * len(rows)
+        for key, color in (("schedule_ms", "#4c72b0"), ("prepare_ms", "#55a868"), ("sample_ms", "#c44e52"),
+                           ("outputs_ms", "#8172b2")):
+            vals = [r[key] for r in rows]
+            ax.bar(names, vals, bottom=bottom, color=color, label=key.removesuffix("_ms"))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_ylabel("host ms per step (forward excluded)")
+        ax.tick_params(axis="x", labelsize=7, rotation=20)
+        ax.legend(fontsize=8)
+        ax.set_title(f"host: {run.model_dir.name}, {run.dtype}; median of {sz.steps} decode steps", fontsize=9)
+        return fig
+
+    targets = [report.target(f"host ms per batch-{b} top-p step / the sorted sampler's",
+                             report.ratio(by[f"batch {b} top-p"]["host_ms"], by[f"batch {b} top-p (sorted)"]["host_ms"]),
+                             "<=", 0.333)]
+    report.write(run, "host", rows,
+                 columns=["step_ms", "forward_ms", "host_ms", "host_us_per_seq", "host_share", "schedule_ms",
+                          "prepare_ms", "sample_ms", "outputs_ms"],
+                 config=asdict(sz), targets=targets, plot=plot)
+    return {"rows": rows, "targets": targets}
