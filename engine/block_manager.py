@@ -264,6 +264,8 @@ class BlockManager:
 
     def allocate(self, req: Request, num_new_tokens: int, cached: PrefixHits | None = None) -> bool:
         """`cached`: `match_prefix(req)`, on admission."""
+        if not cached and req.admitted and req.num_computed_tokens + num_new_tokens <= len(req.block_table) * self.block_size:
+            return True  # most decode steps: the last block has room, nothing to take or count
         cached = cached or PrefixHits()
         if cached:
             assert not req.block_table and req.num_computed_tokens == 0, f"{req}: prefix hits are for admission only"

@@ -22,6 +22,9 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of `text` already handed out
 
     def _decode(self, ids: list[int]) -> str:
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if backend is not None:  # a fast tokenizer: what its decode calls, without transformers' per-call wrapping
+            return backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add_token(self, token_id: int) -> bool:
