@@ -163,3 +163,19 @@ def test_a_vocabulary_that_does_not_split_evenly(tiny_model_dir, tmp_path) -> No
         finally:
             eng.close()
     assert got[2] == got[1] and all(t < 1001 for seq in got[2] for t in seq)
+
+
+def test_a_quantized_cache_splits_with_its_scales(tiny_model_dir) -> None:
+    """int8 KV over two ranks: each rank's pool holds its KV heads' values and scales; the tokens equal one rank's."""
+    prompts = [[3 + (i * 7 + 11 * p) % 900 for i in range(12 + 17 * p)] for p in range(5)]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    got = {}
+    for tp in (1, 2):
+        eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256,
+                                     kv_cache_dtype="int8", tensor_parallel_size=tp))
+        try:
+            got[tp] = [o.token_ids for o in eng.generate(prompts, greedy)]
+            assert len(eng.runner.kv_caches[0]) == 4 and eng.runner.kv_caches[0][0].shape[2] == 2 // tp
+        finally:
+            eng.close()
+    assert got[2] == got[1]
