@@ -80,7 +80,7 @@ class LLMEngine:
 
     def _build(self, model: LlamaModel | None, layout: Layout | None, kv_caches: list | None, shard: Shard) -> None:
         config, mc, model_dir = self.config, self.model_config, self.model_dir
-        self.model = model or LlamaModel(mc, loader.load_weights(model_dir), self.device, self.dtype, shard)
+        self.model = model or LlamaModel(mc, loader.Weights(model_dir), self.device, self.dtype, shard)
         if self.workers is not None:
             self.workers.join()
         # after the weights (CUDA sizing)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.models import ModelConfig
@@ -60,8 +61,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(read_config(model_dir))
 
 
-def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    d = Path(model_dir)
+def _weight_files(d: Path) -> list[str]:
     index = d / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -69,10 +69,45 @@ def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {d}")
+    return files
+
+
+def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, read whole."""
+    d = Path(model_dir)
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in _weight_files(d):
         weights.update(load_file(str(d / f)))
     return weights
+
+
+class Weights:
+    """A checkpoint's tensors by name, read when asked for: whole, or a range of rows or of columns, so a
+    tensor-parallel rank reads (and holds in host memory) only its part (safetensors' slices read just those bytes)."""
+
+    def __init__(self, model_dir: str | Path):
+        d = Path(model_dir)
+        self.where: dict[str, Path] = {}
+        for f in _weight_files(d):
+            with safe_open(str(d / f), "pt") as st:
+                self.where.update(dict.fromkeys(st.keys(), d / f))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.where[name]), "pt") as st:
+            return st.get_tensor(name)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dimension 0 (fewer where the tensor ends first)."""
+        with safe_open(str(self.where[name]), "pt") as st:
+            return st.get_slice(name)[start:stop]
+
+    def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Columns [start, stop) of a 2-D tensor."""
+        with safe_open(str(self.where[name]), "pt") as st:
+            return st.get_slice(name)[:, start:stop]
 
 
 def load_tokenizer(model_dir: str | Path):

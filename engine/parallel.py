@@ -74,12 +74,10 @@ class Shard:
         return cls(rank, world, cfg.num_heads // world, kv, kv_start, cfg.intermediate_size // world,
                    -(-cfg.vocab_size // world))
 
-    def rows(self, w: torch.Tensor, start: int, n: int, unit: int = 1) -> torch.Tensor:
-        """Rows [start * unit, (start + n) * unit) of w (a weight or bias), zero-padded past its end."""
-        out = w[start * unit : (start + n) * unit]
-        if out.shape[0] < n * unit:
-            return torch.cat([out, out.new_zeros(n * unit - out.shape[0], *out.shape[1:])])
-        return out if self.world == 1 else out.clone()  # a view would keep the whole tensor alive
+    @staticmethod
+    def pad(t: torch.Tensor, n: int) -> torch.Tensor:
+        """`t` with zero rows appended up to `n` (a vocabulary shard past the vocabulary's end)."""
+        return t if t.shape[0] >= n else torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])
 
 
 def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -238,7 +236,7 @@ def _worker_main(rank: int, world: int, port: int, config, model_dir: str, devic
         kernels.cpu.load(sluice_home() / "build")
     mc = loader.load_model_config(model_dir)
     shard = Shard.plan(mc, rank, world)
-    model = LlamaModel(mc, loader.load_weights(model_dir), dev, dtype, shard)
+    model = LlamaModel(mc, loader.Weights(model_dir), dev, dtype, shard)
     try:
         ready.send(True)
         ready.recv()  # every rank is loaded: join

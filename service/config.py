@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "scale per token and KV head, ~2x the tokens of bf16 in the same memory (default: auto)")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
                    help="shard the model over N ranks (processes the server starts; on CUDA one GPU each, "
-                        "cuda:0..N-1): each keeps 1/N of the weights and of the KV cache (default: 1)")
+                        "cuda:0..N-1): each reads and keeps 1/N of the weights and of the KV cache (default: 1)")
     e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
                    help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
                         "start instead of computing it (default: on)")

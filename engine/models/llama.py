@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 import kernels
 from engine.parallel import Shard, all_gather_rows, all_reduce
+
+if TYPE_CHECKING:
+    from engine.loader import Weights
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -145,8 +148,9 @@ class LlamaModel:
     heads, MLP rows and vocabulary rows; the forward then all-reduces after o and down and the embedding, and
     gathers the logits, so every rank returns the whole [B, vocab]."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, weights: Weights, device: torch.device, dtype: torch.dtype,
                  shard: Shard | None = None):
+        """`weights`: the checkpoint (`engine.loader.Weights`); a tensor-parallel rank reads only its part of it."""
         self.cfg = cfg
         self.shard = sh = shard or Shard.plan(cfg)
         D = cfg.head_dim
@@ -155,23 +159,25 @@ class LlamaModel:
         self.kv_size = sh.num_kv_heads * D
         self.scale = D**-0.5
 
-        def take(name: str) -> torch.Tensor:
+        def need(name: str) -> str:
             if name not in weights:
                 raise ValueError(f"checkpoint lacks tensor {name!r}")
-            return weights.pop(name)
+            return name
 
         def w(name: str) -> torch.Tensor:
-            return take(name).to(device=device, dtype=dtype)
+            return weights.get(need(name)).to(device=device, dtype=dtype)
 
-        def qkv(kind: str) -> torch.Tensor:  # this rank's heads of q_proj, k_proj, v_proj (weight or bias)
-            t = take(f"{p}self_attn.{kind[0]}_proj.{kind[2:]}")
-            start, n = (sh.head_start, sh.num_heads) if kind[0] == "q" else (sh.kv_head_start, sh.num_kv_heads)
-            return sh.rows(t, start, n, D).to(device=device, dtype=dtype)
+        def rows(name: str, start: int, n: int) -> torch.Tensor:  # rows [start, start + n), zero-padded past the end
+            return Shard.pad(weights.rows(need(name), start, start + n), n).to(device=device, dtype=dtype)
 
         def cols(name: str, start: int, n: int) -> torch.Tensor:  # input columns: a row-parallel weight
-            return w(name)[:, start : start + n].contiguous()
+            return weights.cols(need(name), start, start + n).to(device=device, dtype=dtype)
 
-        self.embed = sh.rows(w("model.embed_tokens.weight"), sh.rank * sh.vocab, sh.vocab)
+        def qkv(kind: str) -> torch.Tensor:  # this rank's heads of q_proj, k_proj, v_proj (weight or bias)
+            start, n = (sh.head_start, sh.num_heads) if kind[0] == "q" else (sh.kv_head_start, sh.num_kv_heads)
+            return rows(f"{p}self_attn.{kind[0]}_proj.{kind[2:]}", start * D, n * D)
+
+        self.embed = rows("model.embed_tokens.weight", sh.rank * sh.vocab, sh.vocab)
         self.layers = []
         I = sh.intermediate  # noqa: E741
         for i in range(cfg.num_layers):
@@ -182,8 +188,7 @@ class LlamaModel:
                 "qkv": Linear(torch.cat([qkv(f"{x}.weight") for x in "qkv"]),
                               torch.cat([qkv(f"{x}.bias") for x in "qkv"]) if cfg.attention_bias else None),
                 "o": Linear(cols(p + "self_attn.o_proj.weight", sh.head_start * D, self.q_size)),
-                "gate_up": Linear(torch.cat([sh.rows(w(p + f"mlp.{x}_proj.weight"), sh.rank * I, I)
-                                             for x in ("gate", "up")])),
+                "gate_up": Linear(torch.cat([rows(p + f"mlp.{x}_proj.weight", sh.rank * I, I) for x in ("gate", "up")])),
                 "down": Linear(cols(p + "mlp.down_proj.weight", sh.rank * I, I)),
             }
             if cfg.qk_norm:
@@ -194,7 +199,7 @@ class LlamaModel:
         if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = Linear(self.embed, pack=False)  # the embedding lookup needs the plain tensor
         else:
-            self.lm_head = Linear(sh.rows(w("lm_head.weight"), sh.rank * sh.vocab, sh.vocab))
+            self.lm_head = Linear(rows("lm_head.weight", sh.rank * sh.vocab, sh.vocab))
         self.cos_sin = cos_sin_cache(cfg, cfg.max_position_embeddings, device)
 
     @torch.inference_mode()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.loader import check_readable, load_model_config, load_weights
+from engine.loader import Weights, check_readable, load_model_config, load_weights
 from engine.models import ModelConfig
 from engine.tiny import PRESETS, random_weights
 
@@ -29,6 +29,12 @@ def test_sharded_checkpoint_loads_and_matches_single_file(tiny_model_dir, tmp_pa
     sharded = load_weights(tmp_path)
     assert single.keys() == sharded.keys()
     assert all(torch.equal(single[k], sharded[k]) for k in single)
+    lazy = Weights(tmp_path)  # what the model reads: whole, or a tensor-parallel rank's rows / columns only
+    assert set(lazy.where) == set(single) and all(k in lazy for k in single) and "no.such.tensor" not in lazy
+    for k, t in single.items():
+        assert torch.equal(lazy.get(k), t) and torch.equal(lazy.rows(k, 3, 7), t[3:7])
+        if t.dim() == 2:
+            assert torch.equal(lazy.cols(k, 5, 9), t[:, 5:9]) and lazy.rows(k, t.shape[0] - 2, t.shape[0] + 5).shape[0] == 2
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     a = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)).generate(["hello there"], params)
     b = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64)).generate(["hello there"], params)

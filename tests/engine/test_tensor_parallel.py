@@ -35,7 +35,9 @@ def test_shards_cover_the_model_once() -> None:
     # a rank's query heads all read its KV head: head h uses KV head h // (8 / 2)
     assert all(h // 4 == s.kv_head_start for s in four for h in range(s.head_start, s.head_start + s.num_heads))
     w = torch.arange(1001.0)[:, None]
-    assert torch.equal(torch.cat([s.rows(w, s.rank * s.vocab, s.vocab) for s in two])[:1001], w)  # padded past 1001
+    parts = [Shard.pad(w[s.rank * s.vocab : (s.rank + 1) * s.vocab], s.vocab) for s in two]
+    assert [p.shape[0] for p in parts] == [501, 501] and torch.equal(torch.cat(parts)[:1001], w)  # padded past 1001
+    assert not parts[1][-1].any()
 
 
 @pytest.mark.parametrize("world,why", [(3, "8 attention heads"), (16, "attention heads"), (0, ">= 1")])
