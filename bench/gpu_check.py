@@ -207,6 +207,64 @@ def attention_rows(s: Sizes, dev: str) -> list[Callable[[], Row]]:
     ]
 
 
+def quantized_rows(s: Sizes, dev: str) -> list[Callable[[], Row]]:
+    """--kv-cache-dtype int8 / fp8: attention over the quantized cache vs the twin over the same cache, its time and
+    decode bandwidth (the cache's own bytes, scales included), and the quantizing store vs the twin (one grid step)."""
+    dec_q, dec_ctx = [1] * s.n_decode, [s.decode_ctx] * s.n_decode
+    chunk_ctx = [c + s.chunk for c in s.chunk_cached]
+
+    def quantized(args, cache_dtype):
+        q, kc, vc, tables, cu, lens = args
+        nb, bs, h, d = kc.shape
+        (kq, ks), (vq, vs) = (reference.quantize(c.reshape(-1, h, d), cache_dtype) for c in (kc, vc))
+        return (q, kq.view(kc.shape), vq.view(vc.shape), tables, cu, lens, d**-0.5, ks.view(nb, bs, h),
+                vs.view(nb, bs, h))
+
+    def attention(name: str, q_lens: list[int], ctx: list[int], cache_dtype: torch.dtype, bandwidth: bool) -> Row:
+        label = str(cache_dtype).removeprefix("torch.")
+        row = Row("paged_attention", f"{name}; {label} KV, Hq={s.hq} Hkv={s.hkv} D={s.d}")
+        args = quantized(paged(q_lens, ctx, s, dev), cache_dtype)
+        judge(row, max_err(triton_ops.paged_attention(*args), reference.paged_attention(*args)), s.dtype)
+        t = timed(lambda: triton_ops.paged_attention(*args), dev)
+        row.triton_ms = fmt(t)
+        row.ref_ms = fmt(timed(lambda: reference.paged_attention(*args), dev))
+        if bandwidth:
+            gbs = sum(ctx) * s.hkv * (s.d + 4) * 2 / (t * 1e-3) / 1e9
+            row.gbs = f"{gbs:.0f} ({100 * gbs / HBM_PEAK_GBS:.0f}%)"
+        return row
+
+    def store(cache_dtype: torch.dtype) -> Row:
+        label = str(cache_dtype).removeprefix("torch.")
+        row = Row("store_kv", f"{s.tokens} tokens into a {label} cache, Hkv={s.hkv} D={s.d}")
+        g = torch.Generator(device=dev).manual_seed(3)
+        k, v = ((3 * torch.randn(s.tokens, s.hkv, s.d, device=dev, generator=g)).to(s.dtype) for _ in range(2))
+        nb = -(-s.tokens // s.block_size) + 1
+        slots = torch.randperm(nb * s.block_size, device=dev, generator=g)[: s.tokens]
+        out = [[torch.zeros(nb, s.block_size, s.hkv, s.d, dtype=cache_dtype, device=dev) for _ in range(2)]
+               + [torch.zeros(nb, s.block_size, s.hkv, device=dev) for _ in range(2)] for _ in range(2)]
+        triton_ops.store_kv(k, v, *out[0][:2], slots, *out[0][2:])
+        reference.store_kv(k, v, *out[1][:2], slots, *out[1][2:])
+        err = max(max_err(a.float() * sa[..., None], b.float() * sb[..., None])
+                  for a, b, sa, sb in zip(out[0][:2], out[1][:2], out[0][2:], out[1][2:]))
+        step = float(max(t.max() for t in out[1][2:])) * (1.0 if cache_dtype == torch.int8 else 32.0)
+        row.err = f"{err:.2e} (a grid step: {step:.2e})"
+        if err > step * 1.001 or max(max_err(a, b) for a, b in zip(out[0][2:], out[1][2:])) > 1e-5:
+            row.ok = False
+            row.notes.append("more than one grid step from the twin, or scales differ")
+        row.triton_ms = fmt(timed(lambda: triton_ops.store_kv(k, v, *out[0][:2], slots, *out[0][2:]), dev))
+        return row
+
+    rows: list[Callable[[], Row]] = []
+    for cache_dtype in (torch.int8, torch.float8_e4m3fn):
+        rows += [
+            lambda c=cache_dtype: attention(f"{s.n_decode} decodes @{s.decode_ctx} + 2 chunks of {s.chunk}",
+                                            dec_q + [s.chunk] * 2, dec_ctx + chunk_ctx, c, False),
+            lambda c=cache_dtype: attention(f"{s.n_decode} decodes @{s.decode_ctx}", dec_q, dec_ctx, c, True),
+            lambda c=cache_dtype: store(c),
+        ]
+    return rows
+
+
 # ---------------------------------------------------------------- elementwise kernels
 
 
@@ -343,7 +401,7 @@ def main() -> int:
         return 2
     dev = "cpu" if args.dry_run else "cuda"
     s = TINY if args.dry_run else REAL
-    checks = attention_rows(s, dev) + elementwise_rows(s, dev)
+    checks = attention_rows(s, dev) + quantized_rows(s, dev) + elementwise_rows(s, dev)
     if not args.skip_engine:
         batches = [1, 2] if args.dry_run else [1, 16, 64, 128]
         checks += engine_rows(dev, batches, 8 if args.dry_run else 128, 3 if args.dry_run else 128,

@@ -43,3 +43,12 @@ def test_one_ulp_from_fma_contraction_passes_and_two_ulps_fail() -> None:
     bad = Row("rope", "")
     judge_rounded(bad, [(wrong, ref)], torch.bfloat16)
     assert not bad.ok and "2 ulp" in bad.notes[0]
+
+
+def test_the_quantized_kv_rows_pass_on_the_interpreter() -> None:
+    """The int8 / fp8 rows a GPU session will run (attention vs the twin, the quantizing store within a grid step),
+    at the dry run's shapes."""
+    from bench.gpu_check import TINY, quantized_rows
+
+    rows = [make() for make in quantized_rows(TINY, "cpu")]
+    assert len(rows) == 6 and all(r.ok for r in rows), [(r.shape, r.err, r.notes) for r in rows]
