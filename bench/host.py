@@ -55,14 +55,21 @@ class _Timed:
             self.spent[self.name] += time.perf_counter() - t
 
 
-def sorted_sample(probs, top_k, top_p, min_p, gens, default) -> torch.Tensor:
-    """The sampler before issue 15, the baseline: filter by a full sort, then an exponential race, one
-    `exponential_` call per request."""
-    kept = filter_logits(probs.log(), top_k, top_p, min_p).softmax(-1)
-    noise = torch.empty_like(kept)
+def sorted_draw(logits, params, gens, default) -> torch.Tensor:
+    """The sampler before issue 15, the baseline: temperature, the sort-based filter, then an exponential race with
+    one `exponential_` call per request. (Its filter now also groups ties: one O(V) pass more than the old one.)"""
+    dev, V = logits.device, logits.shape[1]
+    sub = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    sub = filter_logits(sub, torch.tensor([min(p.top_k, V) for p in params], device=dev),
+                        torch.tensor([p.top_p for p in params], device=dev),
+                        torch.tensor([p.min_p for p in params], device=dev),
+                        use_top_k_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+                        use_min_p=any(p.min_p > 0 for p in params))
+    probs = sub.softmax(-1)
+    noise = torch.empty_like(probs)
     for j, g in enumerate(gens):
         noise[j].exponential_(generator=g or default)
-    return (kept / noise).argmax(-1)
+    return (probs / noise).argmax(-1)
 
 
 def measure_batch(run: Run, sz: Sizes, batch: int, params: SamplingParams, baseline: bool = False) -> dict:
@@ -85,8 +92,8 @@ def measure_batch(run: Run, sz: Sizes, batch: int, params: SamplingParams, basel
     for _ in range(sz.warmup_steps):
         eng.step()
     per_step: list[dict[str, float]] = []
-    current = engine.sampler.sample
-    engine.sampler.sample = sorted_sample if baseline else current
+    current = engine.sampler.draw
+    engine.sampler.draw = sorted_draw if baseline else current
     try:
         for _ in range(sz.steps):
             before = dict(spent)
@@ -96,7 +103,7 @@ def measure_batch(run: Run, sz: Sizes, batch: int, params: SamplingParams, basel
             assert sum(len(o.new_token_ids) for o in outs) == batch, "a step that is not one decode per request"
             per_step.append({**{k: spent[k] - before[k] for k in PHASES}, "step": wall})
     finally:
-        engine.sampler.sample = current
+        engine.sampler.draw = current
     med = {k: statistics.median(s[k] for s in per_step) for k in (*PHASES, "step")}
     host = statistics.median(s["step"] - s["forward"] for s in per_step)
     ms = lambda x: round(1000 * x, 3)  # noqa: E731

@@ -83,31 +83,29 @@ def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 class Weights:
     """A checkpoint's tensors by name, read when asked for: whole, or a range of rows or of columns, so a
-    tensor-parallel rank reads (and holds in host memory) only its part (safetensors' slices read just those bytes)."""
+    tensor-parallel rank reads (and holds in host memory) only its part (safetensors' slices read just those bytes).
+    Each file is opened once (one mapping of it, as `load_file` makes), for as long as this object lives."""
 
     def __init__(self, model_dir: str | Path):
         d = Path(model_dir)
-        self.where: dict[str, Path] = {}
+        self.where: dict[str, object] = {}  # tensor name -> the open file holding it
         for f in _weight_files(d):
-            with safe_open(str(d / f), "pt") as st:
-                self.where.update(dict.fromkeys(st.keys(), d / f))
+            st = safe_open(str(d / f), "pt")
+            self.where.update(dict.fromkeys(st.keys(), st))
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.where[name]), "pt") as st:
-            return st.get_tensor(name)
+        return self.where[name].get_tensor(name)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of dimension 0 (fewer where the tensor ends first)."""
-        with safe_open(str(self.where[name]), "pt") as st:
-            return st.get_slice(name)[start:stop]
+        return self.where[name].get_slice(name)[start:stop]
 
     def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Columns [start, stop) of a 2-D tensor."""
-        with safe_open(str(self.where[name]), "pt") as st:
-            return st.get_slice(name)[:, start:stop]
+        """Columns [start, stop) of a 2-D tensor, contiguous (a copy, unless they are all of them)."""
+        return self.where[name].get_slice(name)[:, start:stop].contiguous()
 
 
 def load_tokenizer(model_dir: str | Path):

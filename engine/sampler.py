@@ -41,17 +41,22 @@ def filter_logits(
 ) -> torch.Tensor:
     """Masks (to -inf) tokens outside each row's top-k / nucleus / min-p set. logits: (N, V).
 
+    The sets are by value, so tied tokens stay or go together (as `sample` draws): top-k keeps every token at least
+    as likely as the k-th; the nucleus keeps a token when the tokens strictly more likely hold less than top_p.
     `use_*` let a caller that knows no row filters skip the work (and a device sync)."""
     V = logits.shape[1]
     if use_top_k_p and (bool((top_k > 0).any()) or bool((top_p < 1.0).any())):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        k = torch.where(top_k > 0, top_k, V).clamp(max=V)
-        ranks = torch.arange(V, device=logits.device)[None, :]
-        drop = ranks >= k[:, None]
+        k = torch.where(top_k > 0, top_k, V).clamp(1, V)
+        drop = sorted_logits < sorted_logits.gather(1, (k - 1)[:, None])
         probs = sorted_logits.softmax(-1)
-        # a token is dropped when the tokens before it already cover top_p; the best one always stays
+        # a token is dropped when the tokens strictly more likely already cover top_p (a tied group: from its first)
         # NOTE: top_p == 1 must mean "off": a float32 cumsum reaches 1.0 before the tail ends.
-        drop |= ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        starts = torch.ones_like(sorted_logits, dtype=torch.bool)
+        starts[:, 1:] = sorted_logits[:, 1:] != sorted_logits[:, :-1]
+        first = (torch.arange(V, device=logits.device) * starts).cummax(-1).values  # each token's tied group's start
+        above = (probs.cumsum(-1) - probs).gather(1, first)
+        drop |= (above >= top_p[:, None]) & (top_p[:, None] < 1.0)
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
@@ -77,29 +82,34 @@ def _uniforms(gens: list[torch.Generator | None], default: torch.Generator, devi
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """A token per row, drawn with probability proportional to `weights` (>= 0, some > 0), for uniforms `u`."""
-    cdf = weights.cumsum(-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=weights.shape[1] - 1)
+    """A token per row, drawn with probability proportional to `weights` (>= 0, some > 0), for uniforms `u`.
+    NOTE: float64: a float32 running sum over a large vocabulary rounds the tail's small weights away."""
+    cdf = weights.double().cumsum(-1)
+    return torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(
+        max=weights.shape[1] - 1)
 
 
 def sample(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-           gens: list[torch.Generator | None], default: torch.Generator) -> torch.Tensor:
+           gens: list[torch.Generator | None], default: torch.Generator, max_top_k: int | None = None,
+           any_min_p: bool | None = None) -> torch.Tensor:
     """A token per row of `probs` [R, V], drawn from it restricted to `filter_logits`' support: the row's top_k
-    (0: all), its nucleus of mass top_p (1.0: all; measured on the whole distribution) and its min_p set."""
+    (0: all), its nucleus of mass top_p (1.0: all; measured on the whole distribution) and its min_p set.
+    `max_top_k` (the largest top_k, 0: none) and `any_min_p`, when the caller knows them, save device syncs."""
     R, V = probs.shape
     allowed = torch.ones_like(probs, dtype=torch.bool)
-    if bool((top_k > 0).any()):
-        kth = probs.topk(int(top_k.clamp(max=V).max()), dim=-1).values  # [R, kmax], descending
+    kmax = int(top_k.max()) if max_top_k is None else max_top_k
+    if kmax > 0:
+        kth = probs.topk(min(kmax, V), dim=-1).values  # [R, kmax], descending
         kth = kth.gather(1, (top_k.clamp(1, V) - 1)[:, None])
         allowed &= (probs >= kth) | (top_k <= 0)[:, None]
-    if bool((min_p > 0).any()):
+    if bool((min_p > 0).any()) if any_min_p is None else any_min_p:
         allowed &= probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
     weights = probs * allowed
     out = torch.empty(R, dtype=torch.long, device=probs.device)
-    todo = torch.arange(R, device=probs.device)
+    todo, rows = torch.arange(R, device=probs.device), list(range(R))
     for _ in range(MAX_ROUNDS):
         w, p = weights[todo], probs[todo]
-        x = _inverse_cdf(w, _uniforms([gens[i] for i in todo.tolist()], default, probs.device))
+        x = _inverse_cdf(w, _uniforms([gens[i] for i in rows], default, probs.device))
         px = p.gather(1, x[:, None])  # [n, 1]
         # in the nucleus: the tokens more probable than x hold less than top_p (the best token always is)
         ok = ((p * (p > px)).sum(-1) < top_p[todo]) | (top_p[todo] >= 1.0)
@@ -111,10 +121,22 @@ def sample(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p:
         bad = ~ok
         weights[todo[bad]] = w[bad] * (p[bad] > px[bad])
         todo = todo[bad]
-    rows = todo.tolist()  # the last few: the sorted filter, then one draw
+        rows = todo.tolist()
+    # the last few: the sorted filter, then one draw
     kept = filter_logits(probs[todo].log(), top_k[todo], top_p[todo], min_p[todo]).softmax(-1)
     out[todo] = _inverse_cdf(kept, _uniforms([gens[i] for i in rows], default, probs.device))
     return out
+
+
+def draw(logits: torch.Tensor, params: list, gens: list[torch.Generator | None],
+         default: torch.Generator) -> torch.Tensor:
+    """A token per row of `logits` [R, V] under its request's temperature, top-k, top-p and min-p (`sample`)."""
+    dev, V = logits.device, logits.shape[1]
+    probs = (logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]).softmax(-1)
+    return sample(probs, torch.tensor([min(p.top_k, V) for p in params], device=dev),
+                  torch.tensor([p.top_p for p in params], device=dev), torch.tensor([p.min_p for p in params], device=dev),
+                  gens, default, max_top_k=max(min(p.top_k, V) for p in params),
+                  any_min_p=any(p.min_p > 0 for p in params))
 
 
 class Sampler:
@@ -137,16 +159,7 @@ class Sampler:
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand:
             params = [reqs[i].params for i in rand]
-            dev = logits.device
-            probs = (logits[rand] / torch.tensor([p.temperature for p in params], device=dev)[:, None]).softmax(-1)
-            V = logits.shape[1]
-            tokens[rand] = sample(
-                probs,
-                torch.tensor([min(p.top_k, V) for p in params], device=dev),
-                torch.tensor([p.top_p for p in params], device=dev),
-                torch.tensor([p.min_p for p in params], device=dev),
-                [reqs[i].generator for i in rand], self.generator,
-            )
+            tokens[rand] = draw(logits[rand], params, [reqs[i].generator for i in rand], self.generator)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]

@@ -347,3 +347,23 @@ def test_sample_stays_in_the_support_of_random_rows():
     draws = sampler_mod.sample(probs, top_k, top_p, min_p, [None] * R, torch.Generator().manual_seed(1))
     kept = filter_logits(probs.log(), top_k, top_p, min_p)
     assert torch.isfinite(kept.gather(1, draws[:, None])).all()
+
+
+@pytest.mark.parametrize("rounds", [sampler_mod.MAX_ROUNDS, 0], ids=["rejection", "fallback"])
+@pytest.mark.parametrize("case,support", [((2, 1.0, 0.0), {0, 1, 2}), ((0, 0.5, 0.0), {0, 1, 2}),
+                                          ((0, 0.3, 0.0), {0}), ((3, 1.0, 0.0), {0, 1, 2})], ids=str)
+def test_tied_tokens_stay_or_go_together(monkeypatch, rounds, case, support):
+    """[.4, .2, .2, .1, .1]: top_k=2 keeps both .2s, a nucleus reaching into a tied group keeps all of it; the
+    sorted filter and the rejection sampler agree (the fallback is the sorted filter), draws split evenly."""
+    monkeypatch.setattr(sampler_mod, "MAX_ROUNDS", rounds)
+    top_k, top_p, min_p = case
+    probs = torch.tensor([0.4, 0.2, 0.2, 0.1, 0.1])
+    kept = filter_logits(probs.log()[None], torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))[0]
+    assert set(torch.isfinite(kept).nonzero().flatten().tolist()) == support
+    n = 20_000
+    draws = sampler_mod.sample(probs.expand(n, -1).clone(), torch.full((n,), top_k), torch.full((n,), top_p),
+                               torch.full((n,), min_p), [None] * n, torch.Generator().manual_seed(2))
+    counts = torch.bincount(draws, minlength=5)
+    assert set(counts.nonzero().flatten().tolist()) == support
+    if {1, 2} <= support:
+        assert abs(int(counts[1]) - int(counts[2])) < 0.05 * n  # the tied pair, evenly
