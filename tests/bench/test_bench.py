@@ -135,6 +135,7 @@ def test_host_reports_each_phase_and_the_sorted_baseline(tiny_model_dir, tmp_pat
     assert set(rows) == {f"batch {b} {m}" for b in (1, 8) for m in ("greedy", "top-p", "top-p (sorted)")}
     for r in rows.values():
         assert r["step_ms"] >= r["forward_ms"] > 0 and r["host_ms"] > 0 and 0 < r["host_share"] < 1
-        phases = r["schedule_ms"] + r["prepare_ms"] + r["sample_ms"] + r["forward_ms"]
-        assert phases <= r["step_ms"] * 1.01 and r["outputs_ms"] >= -0.01
+        # each a median of per-step values no larger than the step's (a sum of medians may exceed the median step)
+        assert all(r[k] <= r["step_ms"] for k in ("schedule_ms", "prepare_ms", "sample_ms", "forward_ms", "outputs_ms"))
+        assert r["outputs_ms"] >= 0
     assert data["targets"][0]["value"] is not None  # the ratio against the baseline, measured in the same run
