@@ -25,6 +25,17 @@ class Req:
     at: float = 0.0  # arrival, seconds after the run starts
 
 
+def poisson(tag: str, n: int, rate: float | None, rng, prompt: Callable[[int], list[int]], max_tokens: int) -> list[Req]:
+    """`n` requests `{tag}-{i}` with `prompt(i)`, arriving as a Poisson process of `rate`/s from `rng` (None: all at
+    once). Each prompt is drawn before its arrival gap, so a workload's draws come in one fixed order."""
+    t, out = 0.0, []
+    for i in range(n):
+        out.append(Req(f"{tag}-{i}", prompt(i), max_tokens, t))
+        if rate:
+            t += rng.expovariate(rate)
+    return out
+
+
 @dataclass
 class Trace:
     start: float = 0.0

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from bench import report
 from bench.common import Run, model_config
-from bench.driver import EngineSystem, Req, calibrate_capacity, measure, summarize
+from bench.driver import EngineSystem, Req, calibrate_capacity, measure, poisson, summarize
 from engine import EngineConfig
 
 
@@ -38,16 +38,13 @@ def chats(run: Run, sz: Sizes, tag: str, vocab: int, n: int, rate: float | None)
     rng = run.rng("evict:hot")
     hot = [run.tokens(rng, sz.system_prompt, vocab) for _ in range(sz.hot)]
     rng = run.rng(f"evict:{tag}")
-    t, out = 0.0, []
-    for i in range(n):
+
+    def prompt(i: int) -> list[int]:
         if rng.random() < 0.5:
-            prompt = hot[rng.randrange(sz.hot)] + run.tokens(rng, rng.randint(*sz.user_turn), vocab)
-        else:
-            prompt = run.tokens(rng, sz.one_off, vocab)
-        out.append(Req(f"{tag}-{i}", prompt, sz.output, t))
-        if rate:
-            t += rng.expovariate(rate)
-    return out
+            return hot[rng.randrange(sz.hot)] + run.tokens(rng, rng.randint(*sz.user_turn), vocab)
+        return run.tokens(rng, sz.one_off, vocab)
+
+    return poisson(tag, n, rate, rng, prompt, sz.output)
 
 
 def main(run: Run) -> dict:

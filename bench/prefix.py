@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from bench import report
 from bench.common import Run, model_config
-from bench.driver import EngineSystem, Req, Trace, calibrate_capacity, measure, summarize
+from bench.driver import EngineSystem, Req, Trace, calibrate_capacity, measure, poisson, summarize
 from engine import EngineConfig
 
 
@@ -36,12 +36,7 @@ def chats(run: Run, sz: Sizes, tag: str, vocab: int, n: int, rate: float | None)
     """`n` chats on one system prompt (drawn from `tag`), arriving as a Poisson process of `rate`/s (None: at once)."""
     rng = run.rng(f"prefix:{tag}")
     system = run.tokens(rng, sz.system_prompt, vocab)
-    t, out = 0.0, []
-    for i in range(n):
-        out.append(Req(f"{tag}-{i}", system + run.tokens(rng, rng.randint(*sz.user_turn), vocab), sz.output, t))
-        if rate:
-            t += rng.expovariate(rate)
-    return out
+    return poisson(tag, n, rate, rng, lambda i: system + run.tokens(rng, rng.randint(*sz.user_turn), vocab), sz.output)
 
 
 def main(run: Run) -> dict:

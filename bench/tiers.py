@@ -11,8 +11,10 @@ from dataclasses import asdict, dataclass
 
 from bench import report
 from bench.common import Run, model_config
-from bench.driver import EngineSystem, Req, Trace, calibrate_capacity, measure, summarize
+from bench.driver import EngineSystem, Req, Trace, calibrate_capacity, measure, poisson, summarize
 from engine import EngineConfig
+from engine.layout import kv_block_bytes
+from engine.models import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -45,22 +47,15 @@ def chats(run: Run, sz: Sizes, tag: str, vocab: int, n: int, rate: float | None,
     rng = run.rng(f"tiers:prompts{salt}")
     systems = [run.tokens(rng, sz.system_prompt, vocab) for _ in range(sz.num_prompts)]
     rng = run.rng(f"tiers:{tag}")
-    t, out = 0.0, []
-    for i in range(n):
-        prompt = systems[rng.randrange(sz.num_prompts)] + run.tokens(rng, rng.randint(*sz.user_turn), vocab)
-        out.append(Req(f"{tag}-{i}", prompt, sz.output, t))
-        if rate:
-            t += rng.expovariate(rate)
-    return out
+    return poisson(tag, n, rate, rng, lambda i: systems[rng.randrange(sz.num_prompts)]
+                   + run.tokens(rng, rng.randint(*sz.user_turn), vocab), sz.output)
 
 
 def main(run: Run) -> dict:
     sz = QUICK if run.quick else FULL
     cfg = model_config(run.model_dir)
     vocab = cfg["vocab_size"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    block_bytes = 2 * cfg["num_hidden_layers"] * BLOCK * cfg["num_key_value_heads"] * head_dim * \
-        (4 if run.dtype == "float32" else 2)
+    block_bytes = kv_block_bytes(ModelConfig.from_hf(cfg), BLOCK, run.torch_dtype)
     host_gb = 1.25 * sz.num_prompts * (sz.system_prompt // BLOCK) * block_bytes / (1 << 30)  # every prompt, and room
 
     def system(name: str, offload_gb: float) -> EngineSystem:
