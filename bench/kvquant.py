@@ -18,7 +18,6 @@ throughput, preemptions, prompt tokens computed (recomputation after preemption)
 """
 from __future__ import annotations
 
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from bench.driver import EngineSystem, Req, measure, summarize
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.layout import kv_block_bytes
 from engine.models import ModelConfig
-from engine.tiny import default_model_dir, hf_shape_configs
+from engine.tiny import default_model_dir, hf_shape_configs, write_hf_shape
 
 QUANTIZED = ("int8", "fp8")
 
@@ -49,18 +48,6 @@ class Sizes:
 
 FULL = Sizes(32, (32, 256), 64, 32, 256, 128, 96)
 QUICK = Sizes(4, (16, 48), 8, 6, 48, 16, 12)
-
-
-def write_shape(name: str, out: Path, tokenizer_dir: Path) -> Path:
-    """One of `hf_shape_configs()` with random weights (seed 1234) and the tiny model's tokenizer, in HF format."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1234)
-    AutoModelForCausalLM.from_config(hf_shape_configs()[name], attn_implementation="eager").float().save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tokenizer_dir / f).exists():
-            shutil.copy(tokenizer_dir / f, out / f)
-    return out
 
 
 class _LogitTap:
@@ -88,10 +75,8 @@ def _greedy(model_dir: Path, kv_cache_dtype: str, prompts: list[list[int]], n: i
     return [o.token_ids for o in outs], [[tap.rows[(o.request_id, i)] for i in range(n)] for o in outs]
 
 
-def accuracy_row(model: str, model_dir: Path, run: Run, sz: Sizes, ref, kv: str) -> dict:
-    vocab = model_config(model_dir)["vocab_size"]
-    rng = run.rng(f"kvquant:{model}")
-    prompts = [run.tokens(rng, rng.randint(*sz.prompt_len), vocab) for _ in range(sz.prompts)]
+def accuracy_row(model: str, model_dir: Path, prompts: list[list[int]], sz: Sizes, ref, kv: str) -> dict:
+    """`kv`'s greedy run over `prompts` against `ref`, the float32 cache's (`_greedy`)."""
     ref_tokens, ref_logits = ref
     tokens, logits = _greedy(model_dir, kv, prompts, sz.output)
     same = err = 0.0
@@ -111,13 +96,6 @@ def accuracy_row(model: str, model_dir: Path, run: Run, sz: Sizes, ref, kv: str)
             "sequences_identical": f"{whole}/{len(tokens)}",
             "max_logit_error": round(err, 4),
             "max_margin_at_a_flip": round(max(flips), 4) if flips else None}
-
-
-def reference_run(model: str, model_dir: Path, run: Run, sz: Sizes):
-    vocab = model_config(model_dir)["vocab_size"]
-    rng = run.rng(f"kvquant:{model}")
-    prompts = [run.tokens(rng, rng.randint(*sz.prompt_len), vocab) for _ in range(sz.prompts)]
-    return _greedy(model_dir, "auto", prompts, sz.output)
 
 
 def kernel_rows(run: Run) -> list[dict]:
@@ -163,11 +141,14 @@ def main(run: Run) -> dict:
             models[run.model_dir.name] = run.model_dir
         if not run.quick:
             for name in hf_shape_configs():
-                models[name] = write_shape(name, Path(tmp) / name, default_model_dir())
+                write_hf_shape(hf_shape_configs()[name], Path(tmp) / name, default_model_dir())
+                models[name] = Path(tmp) / name
         for model, path in models.items():
-            ref = reference_run(model, path, run, sz)
+            rng, vocab = run.rng(f"kvquant:{model}"), model_config(path)["vocab_size"]
+            prompts = [run.tokens(rng, rng.randint(*sz.prompt_len), vocab) for _ in range(sz.prompts)]
+            ref = _greedy(path, "auto", prompts, sz.output)
             for kv in (*QUANTIZED, "bfloat16"):
-                rows.append(accuracy_row(model, path, run, sz, ref, kv))
+                rows.append(accuracy_row(model, path, prompts, sz, ref, kv))
     rows += kernel_rows(run)
 
     cfg = model_config(run.model_dir)

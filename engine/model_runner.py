@@ -22,19 +22,22 @@ from engine.sampler import Sampler
 from engine.scheduler import Batch
 
 
-def kv_pool(model: LlamaModel, layout: Layout, num_blocks: int | None = None, device: torch.device | None = None
-            ) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[tuple[int, ...], torch.dtype]]]:
-    """A zeroed pool of `num_blocks` (default: the layout's) blocks for `model`'s KV heads (its shard's, under
-    tensor parallelism), and the (block shape, dtype) of each part of a layer. NOTE: zeros, not empty: padded
-    block-table entries point at block 0, and stale values must be finite so a masked-out score (weight 0) never
-    turns into 0 * NaN."""
+def kv_parts(model: LlamaModel, layout: Layout) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The (block shape, dtype) of each part of a layer's pool, for `model`'s KV heads (its shard's, under tensor
+    parallelism): K and V, and their scales when the cache is quantized."""
     shape = (layout.block_size, model.num_kv_heads, model.cfg.head_dim)
     kv, scale = (shape, layout.cache_dtype), (shape[:2], torch.float32)
-    parts = [kv, kv, scale, scale] if layout.quantized else [kv, kv]
+    return [kv, kv, scale, scale] if layout.quantized else [kv, kv]
+
+
+def kv_pool(model: LlamaModel, layout: Layout, num_blocks: int | None = None,
+            device: torch.device | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """A zeroed pool of `num_blocks` (default: the layout's) blocks of `kv_parts` per layer. NOTE: zeros, not
+    empty: padded block-table entries point at block 0, and stale values must be finite so a masked-out score
+    (weight 0) never turns into 0 * NaN."""
     n = layout.num_blocks if num_blocks is None else num_blocks
-    pool = [tuple(torch.zeros((n, *s), dtype=d, device=device or layout.device) for s, d in parts)
+    return [tuple(torch.zeros((n, *s), dtype=d, device=device or layout.device) for s, d in kv_parts(model, layout))
             for _ in range(model.cfg.num_layers)]
-    return pool, parts
 
 
 class ModelRunner:
@@ -48,16 +51,15 @@ class ModelRunner:
         self.workers = workers
         self.block_size = layout.block_size
         self.device = device
-        self.parts = kv_pool(model, layout, 0)[1]  # (shape of a block, dtype) of each part
+        self.parts = kv_parts(model, layout)
         self.block_bytes = cfg.num_layers * sum(math.prod(s) * d.itemsize for s, d in self.parts)  # every layer
-        self.kv_caches = kv_caches or kv_pool(model, layout)[0]
+        self.kv_caches = kv_caches or kv_pool(model, layout)
         self.max_blocks_per_seq = -(-layout.max_model_len // layout.block_size)
         pin = device.type == "cuda"
         # the host tier (engine/block_manager.py): slots in host memory, the same layout per layer. NOTE: not pinned:
         # the copies go through pageable temporaries anyway, and torch's pinned allocator rounds every tensor up
         # to a power of two (a 40 GiB tier could pin 64)
-        self.host_caches = (kv_pool(model, layout, layout.num_host_blocks, torch.device("cpu"))[0]
-                            if layout.num_host_blocks else [])
+        self.host_caches = kv_pool(model, layout, layout.num_host_blocks, torch.device("cpu")) if layout.num_host_blocks else []
         self.copy_seconds = 0.0  # spent in copy_blocks
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)

@@ -251,7 +251,7 @@ def _worker_main(rank: int, world: int, port: int, config, model_dir: str, devic
         return
     kv_dtype = None if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
     layout = Layout(dev, dtype, block_size, num_blocks, max_model_len, 0, kv_dtype)
-    caches, _ = kv_pool(model, layout)
+    caches = kv_pool(model, layout)
     header = torch.zeros(_HEADER, dtype=torch.int64, device=dev)
     try:
         while True:

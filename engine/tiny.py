@@ -127,6 +127,25 @@ def hf_shape_configs() -> dict:
     }
 
 
+def write_hf_shape(config, out: Path, tokenizer_dir: Path, seed: int = 1234):
+    """A transformers model of `config` (e.g. one of `hf_shape_configs()`) with random weights from `seed`, saved
+    in Hugging Face format under `out` with `tokenizer_dir`'s tokenizer files; returns the model (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    model.save_pretrained(out)
+    copy_tokenizer(tokenizer_dir, out)
+    return model
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer files of one model directory into another."""
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, dst / f)
+
+
 def write_model(out_dir: str | Path, config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
                 tokenizer_vocab: int = 1024, progress: bool = True) -> Path:
     """Writes config.json, model.safetensors and a trained tokenizer; the model's vocab_size is the tokenizer's."""

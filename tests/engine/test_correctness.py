@@ -4,30 +4,20 @@ under every policy, chunked, served from the prefix cache, and under preemption.
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.tiny import hf_shape_configs
+from engine.tiny import hf_shape_configs, write_hf_shape
 
 NEW_TOKENS = 20
 
 
 @pytest.fixture(scope="module", params=list(hf_shape_configs()))
 def hf_model(request, tmp_path_factory, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    cfg = hf_shape_configs()[request.param]
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     out = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tiny_model_dir / f).exists():
-            shutil.copy(tiny_model_dir / f, out / f)
-    return request.param, model, out
+    return request.param, write_hf_shape(hf_shape_configs()[request.param], out, tiny_model_dir), out
 
 
 def _prompts() -> list[list[int]]:

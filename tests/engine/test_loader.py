@@ -13,7 +13,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader import Weights, check_readable, load_model_config, load_weights
 from engine.models import ModelConfig
-from engine.tiny import PRESETS, random_weights
+from engine.tiny import PRESETS, copy_tokenizer, random_weights
 
 
 def test_sharded_checkpoint_loads_and_matches_single_file(tiny_model_dir, tmp_path):
@@ -23,8 +23,7 @@ def test_sharded_checkpoint_loads_and_matches_single_file(tiny_model_dir, tmp_pa
     model.save_pretrained(tmp_path, max_shard_size="1MB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tiny_model_dir / f, tmp_path / f)
+    copy_tokenizer(tiny_model_dir, tmp_path)
     single = load_weights(tiny_model_dir)
     sharded = load_weights(tmp_path)
     assert single.keys() == sharded.keys()

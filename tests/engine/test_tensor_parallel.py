@@ -141,19 +141,11 @@ def _args(pid: int) -> str:
 def test_a_vocabulary_that_does_not_split_evenly(tiny_model_dir, tmp_path) -> None:
     """Vocabulary 1,001 over two ranks: rank 1's last embedding and LM-head row is padding, never looked up and never
     sampled; the tokens equal one rank's (tied embeddings, so the LM head is the padded shard too)."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    from engine.tiny import hf_shape_configs
+    from engine.tiny import hf_shape_configs, write_hf_shape
 
     cfg = hf_shape_configs()["llama-gqa-tied"]
     cfg.vocab_size = 1001
-    torch.manual_seed(5)
-    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(tmp_path)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tiny_model_dir / f).exists():
-            shutil.copy(tiny_model_dir / f, tmp_path / f)
+    write_hf_shape(cfg, tmp_path, tiny_model_dir, seed=5)
     prompts = [[3 + (i * 7 + 11 * p) % 998 for i in range(10 + 13 * p)] for p in range(6)] + [[1000, 999, 1000]]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     got = {}
