@@ -345,6 +345,15 @@ class BlockManager:
                 self.cached[b.hash] = b
         req.num_committed_blocks = max(req.num_committed_blocks, n_full)
 
+    def trim(self, req: Request) -> None:
+        """Gives back `req`'s blocks past the ones its tokens need (those that held only rejected draft tokens)."""
+        keep = self.blocks_needed(req.num_tokens)
+        while len(req.block_table) > keep:
+            b = self.blocks[req.block_table.pop()]
+            assert b.ref_count == 1 and b.hash is None, f"block {b.id} of {req} is shared or cached"
+            b.ref_count = 0
+            self._release(b)
+
     def free(self, req: Request) -> None:
         """Drops `req`'s blocks; it has nothing computed any more (preempted: recomputed when readmitted)."""
         # NOTE: reversed, so a request's tail blocks (least likely shared) are evicted first.

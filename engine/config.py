@@ -41,6 +41,11 @@ class EngineConfig:
     kv_eviction: str = "slru"  # which free cached block (and host tier entry) goes first: "slru" (ones hit before go last) or "lru"
     prefix_store: bool = True  # pinned prefixes' KV kept on disk under $SLUICE_HOME/prefix-store, loaded on start
     tensor_parallel_size: int = 1  # ranks the model is sharded over (engine/parallel.py): processes, a GPU each on CUDA
+    speculative: str | None = None  # "ngram": draft tokens by prompt lookup, verified in the step (engine/spec.py)
+    num_speculative_tokens: int = 4  # most draft tokens a request verifies in one step
+    ngram_prompt_lookup_max: int = 4  # longest suffix of a request's tokens matched against its earlier tokens
+    ngram_prompt_lookup_min: int = 2  # shortest
+    speculative_disable_by_batch_size: int = 16  # no drafts in a step with this many decoding requests or more
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -67,6 +72,13 @@ class EngineConfig:
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.tensor_parallel_size == 1 or self.kv_offload_gb == 0.0,
              "kv_offload_gb (the host KV tier) does not run with tensor_parallel_size > 1 yet")
+        need(self.speculative in (None, "ngram"), f"speculative must be ngram (or unset), got {self.speculative!r}")
+        need(self.num_speculative_tokens >= 1, f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        need(1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max,
+             f"need 1 <= ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) <= ngram_prompt_lookup_max "
+             f"({self.ngram_prompt_lookup_max})")
+        need(self.speculative_disable_by_batch_size >= 1,
+             f"speculative_disable_by_batch_size must be >= 1, got {self.speculative_disable_by_batch_size}")
         need(0.0 < self.kv_memory_fraction <= 1.0, f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 
     @property

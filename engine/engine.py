@@ -212,13 +212,14 @@ class LLMEngine:
         for req, sampled in zip(batch.reqs, samples):
             try:
                 if sampled:
-                    outputs.append(self._append_token(req, tokens[j], logprobs[j]))
+                    outputs.append(self._append_tokens(req, tokens[j], logprobs[j]))
                 elif not req.announced:  # first chunk of a long prompt: tell the caller it started
                     outputs.append(self._output(req, [], "", None))
                 req.announced = True
             except Exception as e:  # this request's output cannot be made (its detokenizer, say): it fails alone
                 outputs.append(self.fail(req.request_id, e))
             j += sampled
+            req.draft = []
         if self.config.itl_slo_ms is not None:
             # NOTE: without the host tier's copies, which the model does not know (they scale with hits, not tokens)
             self.scheduler.step_cost.observe(*cost_x, time.perf_counter() - started - copy_s)
@@ -291,6 +292,31 @@ class LLMEngine:
     def _count_prompt_tokens(self, batch: Batch) -> None:
         for r, n in zip(batch.reqs, batch.num_new_tokens):
             self.prompt_tokens_computed += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
+
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> RequestOutput:
+        """A step's new tokens for `req` (more than one when verification kept draft tokens), in order, until one
+        finishes it; one output for them all. Then the kept draft tokens' KV is committed (the step computed it)
+        and blocks that held only rejected ones go back."""
+        out = None
+        for i, token in enumerate(tokens):
+            o = self._append_token(req, token, logprobs[i] if logprobs else None)
+            if out is None:
+                out = o
+            else:
+                out.new_token_ids += o.new_token_ids
+                out.text_delta += o.text_delta
+                out.finished, out.finish_reason, out.rng_state = o.finished, o.finish_reason, o.rng_state
+                if o.logprobs:
+                    out.logprobs = (out.logprobs or []) + o.logprobs
+            if o.finished:
+                break
+        if req.draft:
+            self.scheduler.spec.observe(req, len(req.draft), len(tokens) - 1)
+            if req.status is Status.RUNNING:
+                self.block_manager.commit(req, len(tokens) - 1)
+                self.block_manager.trim(req)
+        assert out is not None
+        return out
 
     def _append_token(self, req: Request, token: int, logprob) -> RequestOutput:
         p = req.params
@@ -422,7 +448,7 @@ class LLMEngine:
             assert not r.block_table, f"waiting {r} holds blocks"
 
     def stats(self) -> dict[str, float | int]:
-        bm = self.block_manager
+        bm, spec = self.block_manager, self.scheduler.spec
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -447,6 +473,8 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "generation_tokens": self.generation_tokens,
+            "spec_draft_tokens": spec.num_draft_tokens if spec else 0,
+            "spec_accepted_tokens": spec.num_accepted_tokens if spec else 0,
         }
 
 

@@ -73,7 +73,8 @@ class ModelRunner:
         self.copies_done = torch.cuda.Event() if device.type == "cuda" else None
 
     def _prepare(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Step metadata on the device; `rows`: the sequences whose last token reaches the LM head."""
+        """Step metadata on the device; `rows`: the sequences whose last token reaches the LM head (with a draft,
+        the token before it and each draft token too)."""
         if self.copies_done is not None:
             self.copies_done.synchronize()
         B, bs = len(batch), self.block_size
@@ -85,7 +86,7 @@ class ModelRunner:
 
         ids = self.input_ids.numpy()[:T]
         for i, (r, s, n) in enumerate(zip(batch.reqs, starts, ns)):
-            ids[cu[i] : cu[i + 1]] = r.token_ids[s : s + n]
+            ids[cu[i] : cu[i + 1]] = r.token_ids[s : s + n] if not r.draft else r.token_ids[s:] + r.draft
         pos = self.positions.numpy()[:T]
         pos[:] = np.arange(T) + np.repeat(starts - cu[:-1], ns)  # (T,)
 
@@ -107,7 +108,7 @@ class ModelRunner:
             block_tables=self.block_tables[:B, :max_blocks].to(dev, non_blocking=True),
             cu_seqlens_q=self.cu_seqlens_q[: B + 1].to(dev, non_blocking=True),
             seq_lens=self.seq_lens[:B].to(dev, non_blocking=True),
-            logits_indices=torch.from_numpy(cu[1:][rows] - 1).to(dev),
+            logits_indices=torch.from_numpy(_logits_indices(cu[1:][rows] - 1, [len(batch.reqs[i].draft) for i in rows])).to(dev),
         )
         input_ids = self.input_ids[:T].to(dev, non_blocking=True)
         if self.copies_done is not None:
@@ -163,8 +164,9 @@ class ModelRunner:
         except Exception:
             return False
 
-    def run(self, batch: Batch, samples: list[bool]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Computes the batch's new tokens; returns a sampled token for each request with `samples[i]`."""
+    def run(self, batch: Batch, samples: list[bool]) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+        """Computes the batch's new tokens; returns, for each request with `samples[i]`, its new tokens (one, or
+        with a draft the draft tokens verification kept and one more) and their logprobs if it asked for them."""
         rows = [i for i, s in enumerate(samples) if s]
         # with nothing to sample, one row still goes through the LM head: the forward fills the KV cache
         input_ids, meta = self._prepare(batch, rows or [0])
@@ -173,7 +175,18 @@ class ModelRunner:
         logits = self.model.forward(input_ids, meta, self.kv_caches)
         if not rows:
             return [], []
-        return self.sampler(logits, [batch.reqs[i] for i in rows])
+        reqs = [batch.reqs[i] for i in rows]
+        if any(r.draft for r in reqs):
+            return self.sampler.verify(logits, reqs)
+        tokens, logprobs = self.sampler(logits, reqs)
+        return [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs]
+
+
+def _logits_indices(last: np.ndarray, drafts: list[int]) -> np.ndarray:
+    """Each row's last token, preceded by its `drafts[i]` tokens before it: a draft's positions are verified too."""
+    if not any(drafts):
+        return last
+    return np.concatenate([np.arange(e - d, e + 1) for e, d in zip(last.tolist(), drafts)])
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

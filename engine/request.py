@@ -109,6 +109,11 @@ class Request:
         self.announced = False  # an output (maybe empty) has told the caller it was scheduled
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
         self.generator = None  # torch.Generator when params.seed is set
+        # speculative decoding (engine/spec.py): this step's draft tokens, set by the scheduler, cleared after it
+        self.draft: list[int] = []
+        self.spec_k = 0  # draft tokens to propose next (0: the configured number)
+        self.spec_misses = 0  # verifications in a row that kept no draft token
+        self.spec_cooldown = 0  # steps left before proposing again
 
     @property
     def num_tokens(self) -> int:

@@ -164,12 +164,74 @@ class Sampler:
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if want:
-            lp = raw[want].log_softmax(-1)
-            k = max(reqs[i].params.logprobs for i in want)
-            top_v, top_i = lp.topk(max(k, 1), dim=-1)
-            chosen = lp.gather(1, tokens[want][:, None]).squeeze(1).tolist()
-            for j, i in enumerate(want):
-                n = reqs[i].params.logprobs
-                top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
-                logprobs[i] = TokenLogprob(token_list[i], chosen[j], top)
+            for i, lp in zip(want, token_logprobs(raw[want], [token_list[i] for i in want],
+                                                  [reqs[i].params.logprobs for i in want])):
+                logprobs[i] = lp
         return token_list, logprobs
+
+    def verify(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+        """Speculative decoding's verification (engine/spec.py). logits: each request's rows in order: 1 +
+        len(r.draft) of them, the last the usual next-token row and each one before it the row that predicts a draft
+        token. Returns each request's new tokens (the draft tokens kept, then one drawn at the first rejection or
+        after the last draft token) and their logprobs if it asked for them. A request without a draft samples as
+        `__call__` does. Requests with a draft have no penalties (engine/spec.py never drafts for them)."""
+        logits = logits.float()
+        width = [1 + len(r.draft) for r in reqs]
+        start = [0]
+        for w in width[:-1]:
+            start.append(start[-1] + w)
+        tokens: list[list[int]] = [[] for _ in reqs]
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(reqs)
+        plain = [j for j, r in enumerate(reqs) if not r.draft]
+        if plain:
+            t, lp = self(logits[[start[j] for j in plain]], [reqs[j] for j in plain])
+            for j, tok, l in zip(plain, t, lp):
+                tokens[j], logprobs[j] = [tok], None if l is None else [l]
+        argmax = logits.argmax(-1).tolist()
+        for j, r in enumerate(reqs):
+            if not r.draft:
+                continue
+            s, d = start[j], r.draft
+            if r.params.greedy:
+                best = argmax[s : s + width[j]]
+                a = 0
+                while a < len(d) and d[a] == best[a]:
+                    a += 1
+                tokens[j] = best[: a + 1]
+            else:
+                tokens[j] = self._verify_sampled(logits[s : s + width[j]], r)
+            if r.params.logprobs is not None:
+                n = len(tokens[j])
+                logprobs[j] = token_logprobs(logits[s : s + n], tokens[j], [r.params.logprobs] * n)
+        return tokens, logprobs
+
+    def _verify_sampled(self, rows: torch.Tensor, req: Request) -> list[int]:
+        """The rejection rule for a point-mass proposal: draft token x at row i is kept with probability p_i(x),
+        p_i the request's filtered distribution (`filter_logits`: the support `sample` draws from); at the first
+        rejection a token is drawn from p_i without x, after the last draft token one from the last row's p."""
+        p, (w, V), dev = req.params, rows.shape, rows.device
+        probs = filter_logits(rows / p.temperature, torch.full((w,), min(p.top_k, V), device=dev),
+                              torch.full((w,), p.top_p, device=dev), torch.full((w,), p.min_p, device=dev)).softmax(-1)
+        gen = req.generator if req.generator is not None else self.generator
+        u = torch.rand(w - 1, generator=gen, device=dev).tolist()
+        kept = probs[torch.arange(w - 1, device=dev), torch.tensor(req.draft, device=dev)].tolist()
+        out: list[int] = []
+        for i, x in enumerate(req.draft):
+            if u[i] < kept[i]:
+                out.append(x)
+                continue
+            rest = probs[i].clone()
+            rest[x] = 0.0
+            out.append(int(_inverse_cdf(rest[None], torch.rand(1, generator=gen, device=dev))[0]))
+            return out
+        out.append(int(_inverse_cdf(probs[-1:], torch.rand(1, generator=gen, device=dev))[0]))
+        return out
+
+
+def token_logprobs(raw: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """For each row of raw logits [R, V]: the logprob of its token and its `ks[i]` most likely tokens."""
+    lp = raw.log_softmax(-1)
+    top_v, top_i = lp.topk(max(max(ks), 1), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
+    return [TokenLogprob(t, c, list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())))
+            for j, (t, c, k) in enumerate(zip(tokens, chosen, ks))]

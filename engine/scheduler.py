@@ -17,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.pressure import PressureLadder
 from engine.request import Request, Status
+from engine.spec import Speculation
 from engine.step_cost import StepCost
 
 
@@ -77,8 +78,9 @@ class Batch:
         return len(self.reqs)
 
     def samples(self) -> list[bool]:
-        """Per request: does this step reach its last token (so a new token is sampled)?"""
-        return [r.num_computed_tokens + n == r.num_tokens for r, n in zip(self.reqs, self.num_new_tokens)]
+        """Per request: does this step reach its last token (so a new token is sampled)? (Its draft tokens, if
+        any, come after that token.)"""
+        return [r.num_computed_tokens + n - len(r.draft) == r.num_tokens for r, n in zip(self.reqs, self.num_new_tokens)]
 
 
 class Scheduler:
@@ -93,6 +95,7 @@ class Scheduler:
         self.step_cost = StepCost()  # with config.itl_slo_ms: fed by the engine after every step, sizes prompt chunks
         self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
         self.pressure = PressureLadder(block_manager.num_blocks)  # `mixed` only: the others stay `normal`
+        self.spec = Speculation(config, max_model_len) if config.speculative else None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -134,11 +137,20 @@ class Scheduler:
     # -- building blocks -------------------------------------------------------------------
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
+        speculate = self.spec is not None and self.spec.enabled_for(
+            sum(1 for r in self.running if not r.is_prefilling))
         for req in list(self.running):
             if budget <= 0 or len(batch) >= self.config.max_num_seqs:
                 break
             if req.status is not Status.RUNNING or req.is_prefilling:
                 continue  # preempted meanwhile, or mid-prompt
+            req.draft = self.spec.draft(req) if speculate else []
+            # NOTE: draft tokens take what is free; they never preempt anyone
+            if req.draft and 1 + len(req.draft) <= budget and self.bm.allocate(req, 1 + len(req.draft)):
+                batch.add(req, 1 + len(req.draft))
+                budget -= 1 + len(req.draft)
+                continue
+            req.draft = []
             if self._allocate_or_preempt(req, 1, batch):
                 batch.add(req, 1)
                 budget -= 1
@@ -217,6 +229,7 @@ class Scheduler:
         return None
 
     def _preempt(self, req: Request) -> None:
+        req.draft = []
         self.running.remove(req)
         self.bm.free(req)
         req.status = Status.WAITING
@@ -226,8 +239,9 @@ class Scheduler:
     # -- after the step --------------------------------------------------------------------
 
     def postprocess(self, batch: Batch) -> None:
+        """Commits the step's tokens but draft tokens (the engine commits those verification kept)."""
         for req, n in zip(batch.reqs, batch.num_new_tokens):
-            self.bm.commit(req, n)
+            self.bm.commit(req, n - len(req.draft))
 
     def finish(self, req: Request, reason: str) -> None:
         if req.status is Status.RUNNING:

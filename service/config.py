@@ -18,6 +18,8 @@ ENGINE_FIELDS = (
     "model", "dtype", "device", "block_size", "num_kv_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "scheduling", "long_prefill_token_threshold",
     "max_num_partial_prefills", "itl_slo_ms", "seed", "kv_offload_gb", "kv_cache_dtype", "tensor_parallel_size",
+    "speculative", "num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
+    "speculative_disable_by_batch_size",
 )
 
 
@@ -41,6 +43,11 @@ class ServerConfig:
     kv_offload_gb: float | None = None
     kv_cache_dtype: str | None = None
     tensor_parallel_size: int | None = None
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    speculative_disable_by_batch_size: int | None = None
     prefix_store: bool = True
     pin_system_prompt: tuple[str, ...] = ()
     # HTTP / WebSocket surface
@@ -171,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
                    help="shard the model over N ranks (processes the server starts; on CUDA one GPU each, "
                         "cuda:0..N-1): each reads and keeps 1/N of the weights and of the KV cache (default: 1)")
+    e.add_argument("--speculative", choices=["ngram"],
+                   help="speculative decoding: ngram drafts tokens by matching a request's last tokens against its "
+                        "own context (prompt, earlier turns, output) and verifies them in the step; greedy output is "
+                        "unchanged, sampled output keeps its distribution (default: off)")
+    e.add_argument("--num-speculative-tokens", type=int, metavar="K", help="most draft tokens per request and step (default: 4)")
+    e.add_argument("--ngram-prompt-lookup-max", type=int, metavar="N",
+                   help="longest suffix of a request's tokens --speculative ngram looks up (default: 4)")
+    e.add_argument("--ngram-prompt-lookup-min", type=int, metavar="N", help="shortest (default: 2)")
+    e.add_argument("--speculative-disable-by-batch-size", type=int, metavar="N",
+                   help="draft nothing in a step with N or more decoding requests (default: 16)")
     e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
                    help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
                         "start instead of computing it (default: on)")

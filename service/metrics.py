@@ -25,6 +25,8 @@ _ENGINE_COUNTERS = {
     "host_blocks_loaded": "KV blocks copied back from the host tier.",
     "host_cache_evictions": "Blocks dropped from the host tier to make room (segmented LRU: ones copied back go last).",
     "host_copy_seconds": "Seconds spent copying KV blocks between the pool and the host tier.",
+    "spec_draft_tokens": "Draft tokens proposed and verified (speculative decoding, --speculative).",
+    "spec_accepted_tokens": "Draft tokens verification accepted.",
 }
 _ENGINE_GAUGES = {
     "num_running": "Requests running in the engine.",
