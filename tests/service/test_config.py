@@ -75,6 +75,8 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_PREFIX_STORE": "off",
         "SLUICE_KV_CACHE_DTYPE": "int8",
         "SLUICE_TENSOR_PARALLEL_SIZE": "2",
+        "SLUICE_SPECULATIVE": "ngram", "SLUICE_NUM_SPECULATIVE_TOKENS": "6", "SLUICE_NGRAM_PROMPT_LOOKUP_MAX": "3",
+        "SLUICE_NGRAM_PROMPT_LOOKUP_MIN": "1", "SLUICE_SPECULATIVE_DISABLE_BY_BATCH_SIZE": "4",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -86,7 +88,9 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
         timeout_graceful_shutdown=2.5, log_level="debug", max_pending_auth=7, max_http_connections=99,
         timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_keep_alive=4, engine_iteration_timeout_s=0.0,
-        kv_offload_gb=1.5, prefix_store=False, kv_cache_dtype="int8", tensor_parallel_size=2)
+        kv_offload_gb=1.5, prefix_store=False, kv_cache_dtype="int8", tensor_parallel_size=2,
+        speculative="ngram", num_speculative_tokens=6, ngram_prompt_lookup_max=3, ngram_prompt_lookup_min=1,
+        speculative_disable_by_batch_size=4)
 
 
 def test_flags_win_over_variables_and_empty_means_unset(tmp_path) -> None:
@@ -135,3 +139,20 @@ def test_bad_flags_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFi
     with pytest.raises(SystemExit) as e:
         parse_config(argv, {})
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_speculative_flags_reach_the_engine() -> None:
+    from engine import EngineConfig
+
+    c = parse_config(["serve", "--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-prompt-lookup-max",
+                      "5", "--ngram-prompt-lookup-min", "1", "--speculative-disable-by-batch-size", "8"], {})
+    kwargs = c.engine_kwargs()
+    assert {k: kwargs[k] for k in ("speculative", "num_speculative_tokens", "ngram_prompt_lookup_max",
+                                   "ngram_prompt_lookup_min", "speculative_disable_by_batch_size")} == {
+        "speculative": "ngram", "num_speculative_tokens": 3, "ngram_prompt_lookup_max": 5,
+        "ngram_prompt_lookup_min": 1, "speculative_disable_by_batch_size": 8}
+    EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match="ngram_prompt_lookup_min"):
+        EngineConfig(speculative="ngram", ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="speculative must be ngram"):
+        EngineConfig(speculative="draft:/models/small")
