@@ -13,7 +13,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from safetensors.torch import save_file
@@ -62,7 +62,9 @@ def _corpus(seed: int, n_words: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0):
+def build_tokenizer(vocab_size: int, seed: int = 0, texts: Iterable[str] | None = None):
+    """A byte-level BPE tokenizer with the ChatML specials and chat template, trained on `texts` (default: the
+    seeded pseudo-text corpus)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -73,7 +75,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed, 40 * vocab_size), trainer=trainer)
+    tok.train_from_iterator(_corpus(seed, 40 * vocab_size) if texts is None else texts, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         unk_token=None, chat_template=CHAT_TEMPLATE, model_max_length=1 << 20,
