@@ -14,13 +14,18 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def default_model_dir() -> Path:
+    """The embedded default model: a small chat model trained by engine/train.py, shipped in the package."""
+    return Path(__file__).parent / "sluice-chat"
+
+
 def sluice_home() -> Path:
     return Path(os.environ.get("SLUICE_HOME", Path.home() / ".cache" / "sluice"))
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # local HF directory; None = embedded default (engine/tiny.py)
+    model: str | None = None  # local HF directory; None = the embedded default (`default_model_dir()`)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # what the KV cache stores: the model's dtype, another float, or int8 / fp8 (e4m3)
     device: str = "auto"
@@ -41,7 +46,7 @@ class EngineConfig:
     kv_eviction: str = "slru"  # which free cached block (and host tier entry) goes first: "slru" (ones hit before go last) or "lru"
     prefix_store: bool = True  # pinned prefixes' KV kept on disk under $SLUICE_HOME/prefix-store, loaded on start
     tensor_parallel_size: int = 1  # ranks the model is sharded over (engine/parallel.py): processes, a GPU each on CUDA
-    speculative: str | None = None  # "ngram": draft tokens by prompt lookup, verified in the step (engine/spec.py)
+    speculative: str | None = None  # "ngram" (prompt lookup) or "draft:DIR" (a small model): drafts verified in the step (engine/spec.py)
     num_speculative_tokens: int = 4  # most draft tokens a request verifies in one step
     ngram_prompt_lookup_max: int = 4  # longest suffix of a request's tokens matched against its earlier tokens
     ngram_prompt_lookup_min: int = 2  # shortest
@@ -72,7 +77,10 @@ class EngineConfig:
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.tensor_parallel_size == 1 or self.kv_offload_gb == 0.0,
              "kv_offload_gb (the host KV tier) does not run with tensor_parallel_size > 1 yet")
-        need(self.speculative in (None, "ngram"), f"speculative must be ngram (or unset), got {self.speculative!r}")
+        need(self.speculative in (None, "ngram") or (self.speculative.startswith("draft:") and len(self.speculative) > 6),
+             f"speculative must be ngram or draft:DIR (or unset), got {self.speculative!r}")
+        need(self.draft_model is None or self.tensor_parallel_size == 1,
+             "speculative draft:DIR does not run with tensor_parallel_size > 1 yet")
         need(self.num_speculative_tokens >= 1, f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         need(1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max,
              f"need 1 <= ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) <= ngram_prompt_lookup_max "
@@ -80,6 +88,12 @@ class EngineConfig:
         need(self.speculative_disable_by_batch_size >= 1,
              f"speculative_disable_by_batch_size must be >= 1, got {self.speculative_disable_by_batch_size}")
         need(0.0 < self.kv_memory_fraction <= 1.0, f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model's directory of `speculative="draft:DIR"`, else None."""
+        s = self.speculative
+        return s.removeprefix("draft:") if s and s.startswith("draft:") else None
 
     @property
     def chunk_limit(self) -> int:

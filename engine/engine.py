@@ -15,7 +15,7 @@ import torch
 import kernels
 from engine import loader
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, sluice_home
+from engine.config import EngineConfig, default_model_dir, sluice_home
 from engine.detokenizer import IncrementalDetokenizer
 from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
@@ -27,7 +27,6 @@ from engine.request import (Checkpoint, CompletionOutput, PromptTooLongError, Re
                             Status)
 from engine.scheduler import Batch, Scheduler
 from engine.step_cost import attention_work
-from engine.tiny import default_model_dir
 
 log = logging.getLogger("sluice.engine")
 
@@ -83,8 +82,10 @@ class LLMEngine:
         self.model = model or LlamaModel(mc, loader.Weights(model_dir), self.device, self.dtype, shard)
         if self.workers is not None:
             self.workers.join()
+        self.draft_model = self._load_draft()
         # after the weights (CUDA sizing)
-        self.layout = layout = layout or plan_layout(config, mc, self.device, self.dtype)
+        self.layout = layout = layout or plan_layout(config, mc, self.device, self.dtype,
+                                                     self.draft_model.cfg if self.draft_model else None)
         if self.workers is not None:
             self.workers.send_layout(layout.num_blocks, layout.block_size, layout.max_model_len)
         self.max_model_len = layout.max_model_len
@@ -96,10 +97,23 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, layout.max_model_len)
         self.runner = ModelRunner(self.model, layout=layout, max_num_tokens=self.scheduler.whole_prompt_budget,
                                   max_num_seqs=config.max_num_seqs, seed=config.seed, kv_caches=kv_caches,
-                                  workers=self.workers)
+                                  workers=self.workers, draft_model=self.draft_model)
         if self.device.type == "cpu" and kernels.MODE == "auto":
             kernels.cpu.load(sluice_home() / "build")  # the native CPU kernels; the torch twins if that fails
         self.attention_backend = kernels.attention_backend(self.device, self.dtype, layout.cache_dtype)
+
+    def _load_draft(self) -> LlamaModel | None:
+        """Speculative decoding's draft model (`speculative="draft:DIR"`): any llama-family model whose tokenizer has
+        the target's vocabulary (its token ids must mean the same)."""
+        path = self.config.draft_model
+        if path is None:
+            return None
+        dmc = loader.load_model_config(Path(path))
+        target = loader.load_tokenizer(self.model_dir).get_vocab()
+        if loader.load_tokenizer(Path(path)).get_vocab() != target or dmc.vocab_size > self.model_config.vocab_size:
+            raise ValueError(f"the draft model {path} has another vocabulary than {self.model_dir}: its token ids "
+                             "would not mean the same")
+        return LlamaModel(dmc, loader.Weights(Path(path)), self.device, self.dtype)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -132,6 +146,9 @@ class LLMEngine:
                         "host_blocks_loaded"):
             setattr(new.block_manager, counter, getattr(self.block_manager, counter))
         new.runner.copy_seconds = self.runner.copy_seconds
+        if new.scheduler.spec and self.scheduler.spec:
+            for counter in ("num_draft_tokens", "num_accepted_tokens", "num_steps"):
+                setattr(new.scheduler.spec, counter, getattr(self.scheduler.spec, counter))
         if new.block_manager.host and self.block_manager.host:
             new.block_manager.host.evictions = self.block_manager.host.evictions
         return new
@@ -197,7 +214,8 @@ class LLMEngine:
             return outputs
         samples = batch.samples()
         if self.config.itl_slo_ms is not None:  # what the step-cost model needs of this step, before commit
-            chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling]  # the rest decode
+            # the rest decode; a decode with a draft computes like a chunk of 1 + len(draft) tokens
+            chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling or r.draft]
             cost_x = (len(batch) - len(chunks), sum(n for _, n in chunks),
                       sum(attention_work(n, r.num_computed_tokens) for r, n in chunks))
         rng = self._rng_state(batch)
@@ -219,6 +237,8 @@ class LLMEngine:
             except Exception as e:  # this request's output cannot be made (its detokenizer, say): it fails alone
                 outputs.append(self.fail(req.request_id, e))
             j += sampled
+            if self.draft_model is not None and not req.draft and req.status is Status.RUNNING:
+                req.num_draft_computed = req.num_computed_tokens  # the draft model computed this step's tokens too
             req.draft = []
         if self.config.itl_slo_ms is not None:
             # NOTE: without the host tier's copies, which the model does not know (they scale with hits, not tokens)
@@ -258,6 +278,10 @@ class LLMEngine:
         for r in culprits:
             self.requests.pop(r.request_id, None)
             self.scheduler.finish(r, "abort")
+        for r in batch.reqs:  # the others run again from the next step, which drafts anew
+            if r.draft and r.status is Status.RUNNING:
+                r.draft = []
+                self.block_manager.trim(r)
         self._aborted = outputs + self._aborted  # aborts taken for this step are reported by the next one
         raise StepError(bad, error) from error
 
@@ -315,6 +339,8 @@ class LLMEngine:
             if req.status is Status.RUNNING:
                 self.block_manager.commit(req, len(tokens) - 1)
                 self.block_manager.trim(req)
+                # the draft model computed the token before each draft token; all kept: the last one's KV it lacks
+                req.num_draft_computed = req.num_computed_tokens - (len(tokens) - 1 == len(req.draft))
         assert out is not None
         return out
 
@@ -461,7 +487,7 @@ class LLMEngine:
             "prompt_budget": self.scheduler.prompt_budget,
             "num_host_kv_blocks": bm.host.num_slots if bm.host else 0,
             "num_free_host_kv_blocks": len(bm.host.free) if bm.host else 0,
-            "kv_cache_bytes": bm.num_blocks * self.runner.block_bytes,
+            "kv_cache_bytes": bm.num_blocks * (self.runner.block_bytes + self.runner.draft_block_bytes),
             "host_kv_cache_bytes": (bm.host.num_slots if bm.host else 0) * self.runner.block_bytes,
             "host_cache_hits": bm.host_cache_hits,
             "host_blocks_offloaded": bm.host_blocks_offloaded,

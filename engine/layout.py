@@ -48,9 +48,11 @@ def placement(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     return device, TORCH_DTYPES[config.dtype]
 
 
-def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype) -> Layout:
+def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype,
+                draft: ModelConfig | None = None) -> Layout:
     """Sizes the KV pool. Call it once the weights are on `device`: on CUDA the pool takes a share of
-    the memory they leave. Raises `ValueError` for an explicit `max_model_len` that cannot fit."""
+    the memory they leave. Raises `ValueError` for an explicit `max_model_len` that cannot fit. A `draft` model
+    (speculative decoding) keeps its KV in the same blocks: a block holds both models' layers."""
     block_size = config.block_size
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
     if kv_dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -58,6 +60,8 @@ def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dty
                          "use int8")
     # under tensor parallelism a rank holds its KV heads only: the budget is per rank (per GPU)
     bytes_per_block = kv_block_bytes(mc, block_size, kv_dtype, Shard.plan(mc, 0, config.tensor_parallel_size).num_kv_heads)
+    if draft is not None:
+        bytes_per_block += kv_block_bytes(draft, block_size, kv_dtype)
     model_len = config.max_model_len or mc.max_position_embeddings
     num_blocks = config.num_kv_blocks
     if num_blocks is None:

@@ -17,7 +17,7 @@ import torch
 from engine.layout import Layout
 from engine.models import LlamaModel
 from engine.models.llama import AttentionMetadata
-from engine.request import TokenLogprob
+from engine.request import Request, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import Batch
 
@@ -42,10 +42,13 @@ def kv_pool(model: LlamaModel, layout: Layout, num_blocks: int | None = None,
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, layout: Layout, max_num_tokens: int, max_num_seqs: int, seed: int,
-                 kv_caches: list[tuple[torch.Tensor, ...]] | None = None, workers=None):
+                 kv_caches: list[tuple[torch.Tensor, ...]] | None = None, workers=None,
+                 draft_model: LlamaModel | None = None):
         """`max_num_tokens`, `max_num_seqs`: the most tokens and sequences one step may hold. `kv_caches`: the pool
         of a runner this one replaces, kept with what it holds (else a new one). `workers`: the other ranks of a
-        tensor-parallel group (engine/parallel.py), sent each step's inputs before its forward."""
+        tensor-parallel group (engine/parallel.py), sent each step's inputs before its forward. `draft_model`:
+        speculative decoding's draft model (engine/spec.py); its KV lives in blocks of the same ids, in
+        `draft_caches` (the block tables index both)."""
         cfg, device = model.cfg, layout.device
         self.model = model
         self.workers = workers
@@ -54,6 +57,11 @@ class ModelRunner:
         self.parts = kv_parts(model, layout)
         self.block_bytes = cfg.num_layers * sum(math.prod(s) * d.itemsize for s, d in self.parts)  # every layer
         self.kv_caches = kv_caches or kv_pool(model, layout)
+        self.draft_model = draft_model
+        self.draft_caches = kv_pool(draft_model, layout) if draft_model is not None else []
+        # a block holds the draft model's KV too (not copied to the host tier or the prefix store)
+        self.draft_block_bytes = 0 if draft_model is None else draft_model.cfg.num_layers * sum(
+            math.prod(s) * d.itemsize for s, d in kv_parts(draft_model, layout))
         self.max_blocks_per_seq = -(-layout.max_model_len // layout.block_size)
         pin = device.type == "cuda"
         # the host tier (engine/block_manager.py): slots in host memory, the same layout per layer. NOTE: not pinned:
@@ -75,25 +83,34 @@ class ModelRunner:
     def _prepare(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Step metadata on the device; `rows`: the sequences whose last token reaches the LM head (with a draft,
         the token before it and each draft token too)."""
+        starts = [r.num_computed_tokens for r in batch.reqs]
+        tokens = [r.token_ids[s : s + n] if not r.draft else r.token_ids[s:] + r.draft
+                  for r, s, n in zip(batch.reqs, starts, batch.num_new_tokens)]
+        return self._metadata(batch.reqs, starts, tokens, rows, [len(batch.reqs[i].draft) for i in rows])
+
+    def _metadata(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], rows: list[int],
+                  extra: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Metadata for computing `tokens[i]` of `reqs[i]` at positions from `starts[i]`; the last token of each
+        sequence in `rows` reaches the LM head, with the `extra[j]` tokens before it."""
         if self.copies_done is not None:
             self.copies_done.synchronize()
-        B, bs = len(batch), self.block_size
-        ns = np.asarray(batch.num_new_tokens, dtype=np.int64)
-        starts = np.asarray([r.num_computed_tokens for r in batch.reqs], dtype=np.int64)
+        B, bs = len(reqs), self.block_size
+        ns = np.asarray([len(t) for t in tokens], dtype=np.int64)
+        starts = np.asarray(starts, dtype=np.int64)
         T = int(ns.sum())
         cu = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(ns, out=cu[1:])
 
         ids = self.input_ids.numpy()[:T]
-        for i, (r, s, n) in enumerate(zip(batch.reqs, starts, ns)):
-            ids[cu[i] : cu[i + 1]] = r.token_ids[s : s + n] if not r.draft else r.token_ids[s:] + r.draft
+        for i, t in enumerate(tokens):
+            ids[cu[i] : cu[i + 1]] = t
         pos = self.positions.numpy()[:T]
         pos[:] = np.arange(T) + np.repeat(starts - cu[:-1], ns)  # (T,)
 
-        max_blocks = max(len(r.block_table) for r in batch.reqs)
+        max_blocks = max(len(r.block_table) for r in reqs)
         bt = self.block_tables.numpy()[:B, :max_blocks]
         bt.fill(0)
-        for i, r in enumerate(batch.reqs):
+        for i, r in enumerate(reqs):
             bt[i, : len(r.block_table)] = r.block_table
         seq_of_token = np.repeat(np.arange(B), ns)  # (T,)
         slots = self.slot_mapping.numpy()[:T]
@@ -108,12 +125,38 @@ class ModelRunner:
             block_tables=self.block_tables[:B, :max_blocks].to(dev, non_blocking=True),
             cu_seqlens_q=self.cu_seqlens_q[: B + 1].to(dev, non_blocking=True),
             seq_lens=self.seq_lens[:B].to(dev, non_blocking=True),
-            logits_indices=torch.from_numpy(_logits_indices(cu[1:][rows] - 1, [len(batch.reqs[i].draft) for i in rows])).to(dev),
+            logits_indices=torch.from_numpy(_logits_indices(cu[1:][rows] - 1, extra)).to(dev),
         )
         input_ids = self.input_ids[:T].to(dev, non_blocking=True)
         if self.copies_done is not None:
             self.copies_done.record()
         return input_ids, meta
+
+    def _draft(self, batch: Batch) -> None:
+        """Fills the drafts the scheduler reserved room for (`speculative="draft:DIR"`) with the draft model's greedy
+        tokens. Every step, drafting or not, its KV catches up with every request of the batch (the tokens this
+        step computes, and the one the last step's verification may have kept beyond what it had computed), which
+        also yields each draft's first token; then one forward per further draft token, for the requests that
+        still want one. A request's
+        `num_draft_computed` moves only after the step (the engine), so a retried step drafts the same again."""
+        reqs = batch.reqs
+        starts = [r.num_draft_computed for r in reqs]
+        tokens = [r.token_ids[s : r.num_computed_tokens + n - len(r.draft)]
+                  for r, s, n in zip(reqs, starts, batch.num_new_tokens)]
+        want = [i for i, r in enumerate(reqs) if r.draft]
+        first = self._draft_step(reqs, starts, tokens, want or [0])
+        for i, t in zip(want, first):
+            reqs[i].draft[0] = t
+        for j in range(1, max((len(reqs[i].draft) for i in want), default=0)):
+            more = [reqs[i] for i in want if len(reqs[i].draft) > j]
+            nxt = self._draft_step(more, [r.num_tokens - 1 + j for r in more], [[r.draft[j - 1]] for r in more],
+                                   list(range(len(more))))
+            for r, t in zip(more, nxt):
+                r.draft[j] = t
+
+    def _draft_step(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], rows: list[int]) -> list[int]:
+        input_ids, meta = self._metadata(reqs, starts, tokens, rows, [0] * len(rows))
+        return self.draft_model.forward(input_ids, meta, self.draft_caches).argmax(-1).tolist()
 
     def copy_blocks(self, offloads: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
         """Before a forward: device blocks to host slots (`offloads`), then host slots to device blocks (`loads`).
@@ -169,6 +212,8 @@ class ModelRunner:
         with a draft the draft tokens verification kept and one more) and their logprobs if it asked for them."""
         rows = [i for i, s in enumerate(samples) if s]
         # with nothing to sample, one row still goes through the LM head: the forward fills the KV cache
+        if self.draft_model is not None:  # every step: the draft model's KV keeps up with the batch's tokens
+            self._draft(batch)
         input_ids, meta = self._prepare(batch, rows or [0])
         if self.workers is not None:
             self.workers.step(input_ids, meta)

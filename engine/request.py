@@ -114,6 +114,7 @@ class Request:
         self.spec_k = 0  # draft tokens to propose next (0: the configured number)
         self.spec_misses = 0  # verifications in a row that kept no draft token
         self.spec_cooldown = 0  # steps left before proposing again
+        self.num_draft_computed = 0  # tokens with the draft model's KV (draft:DIR), written by the block manager and engine
 
     @property
     def num_tokens(self) -> int:

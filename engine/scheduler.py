@@ -109,9 +109,11 @@ class Scheduler:
         if policy == "mixed":
             budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens)
             if self.config.itl_slo_ms is not None:  # the prompt tokens a step can add and still meet the target
-                budget = self.step_cost.prompt_budget(len(batch), self._next_prompt_context(),
-                                                      self.config.itl_slo_ms / 1e3,
-                                                      floor=min(budget, self.bm.block_size), cap=budget)
+                drafted = sum(len(r.draft) for r in batch.reqs)  # NOTE: priced as prompt tokens (they are computed so)
+                floor = min(budget, self.bm.block_size)
+                budget = max(floor, self.step_cost.prompt_budget(len(batch), self._next_prompt_context(),
+                                                                 self.config.itl_slo_ms / 1e3, floor=floor,
+                                                                 cap=budget + drafted) - drafted)
             self.prompt_budget = budget
             budget = self._schedule_partial_prefills(batch, budget)
             # NOTE: after the running requests took their blocks, so this step's preemptions gate its admissions
@@ -137,25 +139,33 @@ class Scheduler:
     # -- building blocks -------------------------------------------------------------------
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
-        speculate = self.spec is not None and self.spec.enabled_for(
-            sum(1 for r in self.running if not r.is_prefilling))
+        first = len(batch)
         for req in list(self.running):
             if budget <= 0 or len(batch) >= self.config.max_num_seqs:
                 break
             if req.status is not Status.RUNNING or req.is_prefilling:
                 continue  # preempted meanwhile, or mid-prompt
-            req.draft = self.spec.draft(req) if speculate else []
-            # NOTE: draft tokens take what is free; they never preempt anyone
-            if req.draft and 1 + len(req.draft) <= budget and self.bm.allocate(req, 1 + len(req.draft)):
-                batch.add(req, 1 + len(req.draft))
-                budget -= 1 + len(req.draft)
-                continue
-            req.draft = []
             if self._allocate_or_preempt(req, 1, batch):
                 batch.add(req, 1)
                 budget -= 1
             else:
                 self._preempt(req)
+        if self.spec is not None and self.spec.enabled_for(len(batch) - first):
+            budget = self._schedule_drafts(batch, first, budget)
+        return budget
+
+    def _schedule_drafts(self, batch: Batch, first: int, budget: int) -> int:
+        """Speculative decoding (engine/spec.py): the decodes batch[first:] each add their draft, from the budget and
+        the blocks every decode left: a draft never preempts anyone, nor takes a decode's place."""
+        for i in range(first, len(batch)):
+            req = batch.reqs[i]
+            if req.status is not Status.RUNNING:
+                continue  # preempted by a later decode of this step (never: those take only younger ones; kept safe)
+            draft = self.spec.draft(req)
+            if draft and len(draft) <= budget and self.bm.allocate(req, 1 + len(draft)):
+                req.draft = draft
+                batch.num_new_tokens[i] += len(draft)
+                budget -= len(draft)
         return budget
 
     def _schedule_partial_prefills(self, batch: Batch, budget: int) -> int:

@@ -48,6 +48,7 @@ class Speculation:
         self.nmin, self.nmax = config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max
         self.disable_at = config.speculative_disable_by_batch_size
         self.max_model_len = max_model_len
+        self.lookup = config.draft_model is None  # else the runner's draft model fills each draft (`Speculation.draft`)
         self.num_draft_tokens = 0  # proposed and verified
         self.num_accepted_tokens = 0
         self.num_steps = 0  # requests' verification steps (with at least one draft token)
@@ -60,12 +61,19 @@ class Speculation:
         p = req.params
         if p.has_penalties:  # NOTE: penalties count outputs, and a draft position's would include the drafts before it
             return []
+        if req.generator is not None and not p.greedy:
+            # NOTE: verification draws other uniforms than plain sampling, and whether a request drafts depends on
+            # the load: a seeded request's text must depend on its seed alone
+            return []
         if req.spec_cooldown > 0:
             req.spec_cooldown -= 1
             return []
         # every token the step may yield must fit: max_tokens and the context
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-        return propose(req.token_ids, min(req.spec_k or self.k, room), self.nmin, self.nmax)
+        k = min(req.spec_k or self.k, room)
+        if not self.lookup:  # its length only: the draft model writes the tokens before the step's forward
+            return [-1] * max(k, 0)
+        return propose(req.token_ids, k, self.nmin, self.nmax)
 
     def observe(self, req: Request, proposed: int, accepted: int) -> None:
         """`req` verified `proposed` draft tokens and kept `accepted`."""

@@ -7,8 +7,11 @@ import math
 import random
 from collections import Counter
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.request import Request
@@ -94,18 +97,35 @@ def _run(model_dir, setup: dict, prompts, params, **spec):
     return outs, eng.stats()
 
 
-@pytest.mark.parametrize("setup", list(SETUPS))
-def test_greedy_output_identical_with_and_without_speculation(tiny_model_dir, setup):
+@pytest.fixture(scope="module")
+def draft_dir(tiny_model_dir, tmp_path_factory):
+    """A draft model that agrees with the tiny model often, not always: its weights, one layer's MLP perturbed."""
+    out = tmp_path_factory.mktemp("draft") / "draft"
+    shutil.copytree(tiny_model_dir, out)
+    w = load_file(str(out / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    name = "model.layers.3.mlp.down_proj.weight"
+    w[name] = w[name] + torch.randn(w[name].shape, generator=g) * w[name].std() * 0.8
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+CASES = [("ngram", s) for s in SETUPS] + [("draft", s) for s in ("mixed", "static", "mixed-chunked", "mixed-preempting")]
+
+
+@pytest.mark.parametrize("method,setup", CASES)
+def test_greedy_output_identical_with_and_without_speculation(tiny_model_dir, draft_dir, method, setup):
     prompts = _prompts()
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2) for m in MAX_TOKENS]
     base, base_stats = _run(tiny_model_dir, SETUPS[setup], prompts, params)
-    spec, stats = _run(tiny_model_dir, SETUPS[setup], prompts, params, speculative="ngram")
+    spec, stats = _run(tiny_model_dir, SETUPS[setup], prompts, params,
+                       speculative="ngram" if method == "ngram" else f"draft:{draft_dir}")
     for round_base, round_spec in zip(base, spec):
         for a, b in zip(round_base, round_spec):
             assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
             assert [lp.token_id for lp in a.logprobs] == [lp.token_id for lp in b.logprobs]
             assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
-    assert stats["spec_accepted_tokens"] > 0, "no draft was ever accepted: the test checks nothing"
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], "accepted and rejected drafts both"
     assert stats["num_steps"] < base_stats["num_steps"]
     if setup == "mixed-preempting":
         assert stats["num_preemptions"] > 0 and base_stats["num_preemptions"] > 0
@@ -181,23 +201,24 @@ def _chi_square_p(a: Counter, b: Counter) -> float:
                                           torch.tensor(stat / 2, dtype=torch.float64))) if df else 1.0
 
 
-def test_sampled_distribution_unchanged(tiny_model_dir):
-    """Seeded sampling (temperature 0.8, top-k 3) with and without speculation: the joint distribution of the first
-    three output tokens is the same, by a chi-square test of homogeneity at alpha = 1e-3 (a correct sampler fails it
-    once in a thousand seed choices; these seeds are fixed, so the test is deterministic). Both the rule's branches
-    run: some drafts are accepted, some rejected."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_distribution_unchanged(tiny_model_dir, method):
+    """Sampling (temperature 0.8, top-k 3) with and without speculation: the joint distribution of the first three
+    output tokens is the same, by a chi-square test of homogeneity at alpha = 1e-3 (a correct sampler fails it once
+    in a thousand choices of the engines' seeds; these are fixed, so the test is deterministic). Both the rule's
+    branches run: some drafts are accepted, some rejected."""
     # the prompt leads into the model's own greedy loop, so drafts (the loop's next tokens) are often likely
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128))
     start = _prompts()[0]
     prompt = start + eng.generate([start], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))[0].token_ids
     n = 800
     results = []
-    for spec in (None, "ngram"):
+    spec_of = {"ngram": "ngram", "draft": f"draft:{tiny_model_dir}"}  # the model as its own draft: kept when likely
+    for spec in (None, spec_of[method]):
         eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=2048, max_num_seqs=n,
-                                     max_num_batched_tokens=n * 5 + 128, speculative=spec,
+                                     max_num_batched_tokens=n * 5 + 128, speculative=spec, seed=1 + (spec is None),
                                      speculative_disable_by_batch_size=n + 1, max_model_len=512))
-        params = [SamplingParams(max_tokens=3, temperature=0.8, top_k=3, ignore_eos=True, seed=1000 * (spec is None) + i)
-                  for i in range(n)]
+        params = [SamplingParams(max_tokens=3, temperature=0.8, top_k=3, ignore_eos=True) for _ in range(n)]
         eng.generate([prompt], SamplingParams(max_tokens=1))  # the prompt's KV, then found in the prefix cache
         outs = eng.generate([prompt] * n, params)
         results.append(Counter(tuple(o.token_ids) for o in outs))
@@ -211,3 +232,38 @@ def test_sampled_distribution_unchanged(tiny_model_dir):
     assert p > 1e-3, (p, pooled)
     assert len(common) >= 3  # the test has something to compare
     assert not math.isnan(p)
+
+
+def test_seeded_sampling_never_drafts(tiny_model_dir):
+    """A seeded request's text depends on its seed alone: whether it would draft depends on the load, and
+    verification draws other uniforms than plain sampling, so it does not draft."""
+    prompt = _prompts()[0]
+    params = SamplingParams(max_tokens=60, temperature=0.8, top_k=3, ignore_eos=True, seed=5)
+    base = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128)).generate([prompt], params)[0]
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, speculative="ngram"))
+    assert eng.generate([prompt], params)[0].token_ids == base.token_ids
+    assert eng.stats()["spec_draft_tokens"] == 0
+
+
+
+def test_draft_model_as_its_own_draft_keeps_every_token(tiny_model_dir):
+    """The model drafting for itself: every greedy draft token is kept, including the last one, whose KV the draft
+    model computes only at the next step; the output is plain decoding's."""
+    prompt = _prompts()[3]
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    base = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)).generate([prompt], params)[0]
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, speculative=f"draft:{tiny_model_dir}",
+                                 num_speculative_tokens=4))
+    assert eng.generate([prompt], params)[0].token_ids == base.token_ids
+    st = eng.stats()
+    assert st["spec_accepted_tokens"] == st["spec_draft_tokens"] > 0
+    assert st["num_steps"] <= 1 + -(-120 // 5) + 1  # the prompt, then five tokens a step
+    assert st["kv_cache_bytes"] == 2 * LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)).stats()["kv_cache_bytes"]
+
+
+def test_draft_model_must_share_the_vocabulary(tiny_model_dir, tmp_path):
+    from engine.tiny import build
+
+    other = build("tiny", tmp_path / "other", seed=9, progress=False)
+    with pytest.raises(ValueError, match="another vocabulary"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), speculative=f"draft:{other}"))
