@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d = ServerConfig()
     e = p.add_argument_group("engine")
-    e.add_argument("--model", help="local Hugging Face model directory (default: the embedded tiny model)")
+    e.add_argument("--model", help="local Hugging Face model directory (default: the embedded sluice-chat model)")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     e.add_argument("--device", choices=["auto", "cpu", "cuda"])
     e.add_argument("--block-size", type=int, help="tokens per KV block")
@@ -178,10 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
                    help="shard the model over N ranks (processes the server starts; on CUDA one GPU each, "
                         "cuda:0..N-1): each reads and keeps 1/N of the weights and of the KV cache (default: 1)")
-    e.add_argument("--speculative", choices=["ngram"],
-                   help="speculative decoding: ngram drafts tokens by matching a request's last tokens against its "
-                        "own context (prompt, earlier turns, output) and verifies them in the step; greedy output is "
-                        "unchanged, sampled output keeps its distribution (default: off)")
+    e.add_argument("--speculative", metavar="ngram|draft:DIR",
+                   help="speculative decoding: draft tokens and verify them in the step (greedy output unchanged, "
+                        "sampled output keeps its distribution). ngram: the tokens that followed the request's last "
+                        "tokens earlier in its own context (prompt, earlier turns, output); draft:DIR: a small model "
+                        "with the same vocabulary, its KV beside the model's (default: off)")
     e.add_argument("--num-speculative-tokens", type=int, metavar="K", help="most draft tokens per request and step (default: 4)")
     e.add_argument("--ngram-prompt-lookup-max", type=int, metavar="N",
                    help="longest suffix of a request's tokens --speculative ngram looks up (default: 4)")
