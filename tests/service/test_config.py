@@ -154,5 +154,8 @@ def test_speculative_flags_reach_the_engine() -> None:
     EngineConfig(**kwargs)
     with pytest.raises(ValueError, match="ngram_prompt_lookup_min"):
         EngineConfig(speculative="ngram", ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2)
-    with pytest.raises(ValueError, match="speculative must be ngram"):
-        EngineConfig(speculative="draft:/models/small")
+    with pytest.raises(ValueError, match="speculative must be ngram or draft:DIR"):
+        EngineConfig(speculative="medusa")
+    assert EngineConfig(speculative="draft:/models/small").draft_model == "/models/small"
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(speculative="draft:/models/small", tensor_parallel_size=2)
