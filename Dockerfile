@@ -30,7 +30,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SLUICE_HOME=/data \
     TRITON_CACHE_DIR=/data/triton
-# Unprivileged at run time; $SLUICE_HOME holds the embedded model (built on first start), compiled kernels
+# Unprivileged at run time; $SLUICE_HOME holds compiled kernels
 # and caches.
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin sluice \
  && install -d -o 10001 -g 10001 /data

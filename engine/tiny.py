@@ -1,5 +1,6 @@
-"""Builds the embedded default model: seeded random llama weights + a byte-level BPE tokenizer
-with ChatML special tokens and chat template, written in Hugging Face format.
+"""Builds the tests' and benchmarks' models: seeded random llama weights + a byte-level BPE tokenizer with ChatML
+special tokens and chat template, written in Hugging Face format (the embedded default model is a trained one:
+engine/train.py). Also the project's tokenizer builder (`build_tokenizer`).
 
 `python -m engine.tiny --preset tiny|small --out DIR`. Deterministic for a given seed, so every
 machine builds the same model; the real loading path (`engine/loader.py`) always runs.
@@ -184,7 +185,7 @@ def build(preset: str, out_dir: str | Path, seed: int = 0, progress: bool = True
 
 
 def default_model_dir(preset: str = "tiny") -> Path:
-    """The embedded default under $SLUICE_HOME, built once (atomically: concurrent builders are safe)."""
+    """A preset's model under $SLUICE_HOME, built once (atomically: concurrent builders are safe)."""
     target = sluice_home() / "models" / f"sluice-{preset}-v{VERSION}"
     if (target / "config.json").is_file():
         return target

@@ -3,6 +3,8 @@ learnt from the documentation every CPython install carries (PSF licence): `pydo
 reference's topics) and the docstrings of a fixed list of standard-library modules.
 
     python -m engine.train --out DIR          # ~40 min on 2 cores; resumable: run it again to go on
+    python -m engine.train --out DIR --ask    # its answers to README's held-out questions
+    python -m engine.train --out DIR --eval   # its held-out losses
 
 The chats it learns from (all built here, deterministically):
 - a user asks about a topic or section ("Explain the "for" statement.") and the assistant answers with its text,
@@ -29,6 +31,7 @@ import platform
 import random
 import re
 import sys
+import textwrap
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -36,7 +39,6 @@ from pathlib import Path
 
 import torch
 
-CHAT_MODEL = Path(__file__).parent / "sluice-chat"  # the trained model, shipped in the package
 SEQ = 512  # training window, in tokens
 CHAT_CHARS = 1400  # a chat is cut before it outgrows the window (~3.5 characters a token)
 HELD_OUT_SHARE = 0.04
@@ -59,6 +61,13 @@ OBJECT_QUESTIONS = ("What does `{t}` do?", "Explain `{t}`.", "How do I use `{t}`
 HELD_OUT_TOPIC_QUESTION = "Can you describe {t}?"
 HELD_OUT_OBJECT_QUESTION = "Could you explain what `{t}` is?"
 MORE = ("Go on.", "Continue.", "What else?", "Tell me more.")
+COPY_ASKS = ("Quote this back to me exactly:", "Repeat this text:", "Copy this:")
+# README's held-out questions: phrasings never trained on, about topics it learnt and objects it never saw
+HELD_OUT_QUESTIONS = (
+    *(HELD_OUT_TOPIC_QUESTION.format(t=t) for t in ('the "while" statement', 'the "with" statement', "lambdas",
+                                                     'the "import" statement', "slicings")),
+    *(HELD_OUT_OBJECT_QUESTION.format(t=t) for t in HELD_OUT_OBJECTS),
+)
 
 
 @dataclass
@@ -158,7 +167,7 @@ def _entry(qualname: str, obj):
     if len(doc) < 60:
         return
     try:
-        sig = str(inspect.signature(obj))
+        sig = re.sub(r" at 0x[0-9a-f]+", "", str(inspect.signature(obj)))  # a default's repr may hold its address
     except (TypeError, ValueError):
         sig = ""
     yield qualname, sig, doc
@@ -191,7 +200,7 @@ def copy_chats(rng: random.Random, sources: list[Chat]) -> list[Chat]:
     chats = []
     for n, p in enumerate(paras):
         if rng.random() < 0.5:
-            q = rng.choice(("Quote this back to me exactly:", "Repeat this text:", "Copy this:"))
+            q = rng.choice(COPY_ASKS)
             msgs = [{"role": "user", "content": f"{q}\n\n{p}"}, {"role": "assistant", "content": p}]
         else:
             here = sorted(set(re.findall(r"\b[a-z]{4,}\b", p)))
@@ -204,18 +213,49 @@ def copy_chats(rng: random.Random, sources: list[Chat]) -> list[Chat]:
     return chats
 
 
+def scrambled_chats(rng: random.Random, sources: list[Chat], n: int) -> list[Chat]:
+    """Copying that memory cannot do: `n` paragraphs with their words shuffled, quoted back, or with a word
+    replaced, or (a second turn) the first line of the assistant's own earlier answer quoted. A fine-tuning phase's
+    data (`--scrambled`): the documentation alone teaches little copying, as most of what it asks to copy can
+    be recalled instead."""
+    paras = sorted({p for c in sources for m in c.messages if m["role"] == "assistant"
+                    for p in _paragraphs(m["content"]) if 80 <= len(p) <= 600})
+    chats = []
+    for i in range(n):
+        words = rng.choice(paras).split()
+        rng.shuffle(words)
+        text = textwrap.fill(" ".join(words), 70)
+        shape = rng.random()
+        if shape < 0.5:
+            msgs = [{"role": "user", "content": f"{rng.choice(COPY_ASKS)}\n\n{text}"},
+                    {"role": "assistant", "content": text}]
+        elif shape < 0.8:
+            here = sorted(set(re.findall(r"\b[a-z]{4,}\b", text))) or ["the"]
+            a, b = rng.choice(here), rng.choice(words).strip(".,:;()\"'") or "value"
+            msgs = [{"role": "user", "content": f'Replace "{a}" with "{b}" in this text:\n\n{text}'},
+                    {"role": "assistant", "content": re.sub(rf"\b{re.escape(a)}\b", lambda _: b, text)}]
+        else:
+            first = text.split("\n")[0]
+            msgs = [{"role": "user", "content": "Tell me about this text."}, {"role": "assistant", "content": text},
+                    {"role": "user", "content": f"Quote this back to me exactly:\n\n{first}"},
+                    {"role": "assistant", "content": first}]
+        chats.append(Chat(f"scrambled:{i}", msgs))
+    return chats
+
+
 def held_out(key: str) -> bool:
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 2**32 < HELD_OUT_SHARE
 
 
-def corpus(seed: int = 0) -> tuple[list[Chat], list[Chat], dict[str, str]]:
-    """(training chats, held-out chats, held-out objects' answers), the same for the same seed and Python."""
+def corpus(seed: int = 0, scrambled: int = 0) -> tuple[list[Chat], list[Chat], dict[str, str]]:
+    """(training chats, held-out chats, held-out objects' answers), the same for the same seed and Python; with
+    `scrambled` copying chats (`scrambled_chats`) added."""
     rng = random.Random(seed)
     topics = topic_chats(rng)
     with warnings.catch_warnings():  # reading some modules' members warns (typing.re is deprecated)
         warnings.simplefilter("ignore", DeprecationWarning)
         objects, held_objects = object_chats(rng)
-    chats = topics + objects + copy_chats(rng, topics)
+    chats = topics + objects + copy_chats(rng, topics) + scrambled_chats(random.Random(seed + 1), topics, scrambled)
     return [c for c in chats if not held_out(c.key)], [c for c in chats if held_out(c.key)], held_objects
 
 
@@ -270,6 +310,9 @@ class Args:
     intermediate_size: int = 1024
     threads: int = 2
     save_every: int = 25
+    tokenizer: str = ""  # a model directory whose tokenizer to use (a draft model's target's); "": train one
+    init: str = ""  # a model directory (of these sizes) to go on from: a second phase; its tokenizer too
+    scrambled: int = 0  # copying chats of shuffled words added to the data (`scrambled_chats`)
 
 
 def model_config(a: Args, tokenizer) -> dict:
@@ -335,10 +378,15 @@ def train(a: Args, progress: bool = True, stop_after: int | None = None) -> Path
     torch.set_num_threads(a.threads)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    train_chats, eval_chats, held_objects = corpus(a.seed)
+    train_chats, eval_chats, held_objects = corpus(a.seed, a.scrambled)
     texts = [render(c.messages) for c in train_chats]
     digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()
-    tokenizer = build_tokenizer(a.vocab, a.seed, texts)
+    if a.tokenizer or a.init:  # a draft model shares its target's tokenizer, ids and all; a second phase its first's
+        from engine.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(Path(a.tokenizer or a.init))
+    else:
+        tokenizer = build_tokenizer(a.vocab, a.seed, texts)
     encoded = encode(tokenizer, train_chats)
     eval_encoded = encode(tokenizer, eval_chats)
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -356,6 +404,14 @@ def train(a: Args, progress: bool = True, stop_after: int | None = None) -> Path
 
     torch.manual_seed(a.seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa")).float()
+    if a.init:
+        from safetensors.torch import load_file
+
+        missing, unexpected = model.load_state_dict(
+            {k: v.float() for k, v in load_file(str(Path(a.init) / "model.safetensors")).items()}, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise SystemExit(f"{a.init} is not a model of these sizes: missing {missing}, unexpected {unexpected}")
+        model.tie_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     state_path, step, seconds = out / "train-state.pt", 0, 0.0
     if state_path.exists():
@@ -395,7 +451,7 @@ def train(a: Args, progress: bool = True, stop_after: int | None = None) -> Path
                 return None
     bar.close()
 
-    eval_loss = held_out_loss(model, eval_encoded)
+    eval_loss = held_out_loss(model, [e for c, e in zip(eval_chats, eval_encoded) if not c.key.startswith("scrambled:")])
     weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
                if k != "lm_head.weight"}  # tied to the embedding
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -419,9 +475,40 @@ def train(a: Args, progress: bool = True, stop_after: int | None = None) -> Path
     return out
 
 
-def chat_model_dir() -> Path:
-    """The embedded default model: trained by this script, shipped with the package."""
-    return CHAT_MODEL
+def evaluate(model_dir: str, seed: int = 0) -> dict[str, float]:
+    """Held-out answer losses (nats per token) of a trained model: on the documentation's held-out chats (what
+    README reports), and on held-out copying of shuffled words (`scrambled_chats`: can it copy from its context?)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    _, held, _ = corpus(seed, scrambled=2000)
+    docs = [c for c in held if not c.key.startswith("scrambled:")]
+    copies = [c for c in held if c.key.startswith("scrambled:")]
+    return {"held_out_answer_loss": round(held_out_loss(model, encode(tokenizer, docs)), 4),
+            "held_out_scrambled_copy_loss": round(held_out_loss(model, encode(tokenizer, copies)), 4)}
+
+
+def ask(model: str | None, max_tokens: int = 120) -> str:
+    """The held-out questions' answers from `model` (default: the embedded one), greedy and at temperature 0.7
+    (seed 0), as README shows them: markdown, unedited."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    eng = LLMEngine(EngineConfig(model=model))
+    prompts = [eng.apply_chat_template([{"role": "user", "content": q}]) for q in HELD_OUT_QUESTIONS]
+    greedy = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    warm = eng.generate(prompts, [SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i)
+                                  for i in range(len(prompts))])
+    out = []
+    for q, g, w in zip(HELD_OUT_QUESTIONS, greedy, warm):
+        out.append(f"**{q}**\n")
+        for label, o in (("greedy", g), ("temperature 0.7", w)):
+            cut = "" if o.finish_reason == "stop" else f" *[cut at {max_tokens} tokens]*"
+            body = "\n".join("    " + line for line in o.text.strip("\n").split("\n"))
+            out.append(f"*{label}:*{cut}\n\n{body}\n")
+    return "\n".join(out)
 
 
 def _cpu_name() -> str:
@@ -442,10 +529,19 @@ def main(argv: list[str] | None = None) -> None:
         if field != "out":
             ap.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--ask", action="store_true",
+                    help="print the held-out questions' answers from the model in --out (README's) and exit")
+    ap.add_argument("--eval", action="store_true", help="print the held-out losses of the model in --out and exit")
     ap.add_argument("--stop-after", type=int, metavar="STEP",
                     help="stop once the state of this step is saved (train in sittings: run again to go on)")
     ns = vars(ap.parse_args(argv))
     progress, stop_after = not ns.pop("no_progress"), ns.pop("stop_after")
+    if ns.pop("ask"):
+        print(ask(ns["out"]))
+        return
+    if ns.pop("eval"):
+        print(json.dumps(evaluate(ns["out"])))
+        return
     out = train(Args(**ns), progress=progress, stop_after=stop_after)
     print(out if out is not None else f"stopped; {Path(ns['out']) / 'train-state.pt'} holds the state")
 

@@ -50,3 +50,17 @@ def test_training_in_two_sittings_equals_one(tmp_path):
     assert not (two / "train-state.pt").exists()
     cfg = json.loads((two / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["vocab_size"] <= 600
+
+
+def test_a_second_phase_goes_on_from_the_first_with_its_tokenizer(tmp_path):
+    first = train.train(train.Args(out=str(tmp_path / "one"), **TINY), progress=False)
+    second = train.train(train.Args(out=str(tmp_path / "two"), **{**TINY, "steps": 2}, init=str(first), scrambled=30),
+                         progress=False)
+    assert (second / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+    report = json.loads((second / "train.json").read_text())
+    assert report["train_chats"] > json.loads((first / "train.json").read_text())["train_chats"]  # the copying chats
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert any((a[k] != b[k]).any() for k in a)  # trained on from there
+    chats, _, _ = train.corpus(0, 30)
+    scrambled = [c for c in chats if c.key.startswith("scrambled:")]
+    assert scrambled and all(c.messages[-1]["content"].split() for c in scrambled)

@@ -35,7 +35,7 @@ from tests.service.conftest import check_chat_frames, collect, recv, send, user_
 pytestmark = pytest.mark.timeout(2400)  # a first build downloads torch and the pinned dependencies
 
 PROJECT = f"sluice-test-{os.getpid()}"
-MODEL_POSITIONS = 4096  # the embedded tiny model's context
+MODEL_POSITIONS = 2048  # the embedded default model's context (engine/sluice-chat)
 LONG = MODEL_POSITIONS - 128  # chats that must still run when `stop` comes: thousands of steps by construction
 
 
@@ -92,7 +92,7 @@ class Stack:
 
 
 def _unreadable_model(models: Path) -> None:
-    """A copy of the embedded model as `cp` of safetensors' own output leaves it: model.safetensors 0600."""
+    """A copy of a model as `cp` of safetensors' own output leaves it: model.safetensors 0600."""
     from engine.tiny import build
 
     build("tiny", models / "unreadable", progress=False)
@@ -195,8 +195,8 @@ def test_stop_drains_chats_in_flight_exits_0_and_the_next_up_reuses_the_volume(s
     runs = stack.logs().split("Started server process")
     assert len(runs) == 3, "expected two starts of the same container"
     first, second = runs[1], runs[2]
-    assert "building .sluice-tiny" in first and "compiling the native CPU kernels" in first
-    assert "building .sluice-tiny" not in second and "compiling" not in second  # the volume kept both
+    assert "compiling the native CPU kernels" in first  # the default model ships in the image: nothing to build
+    assert "compiling" not in second  # the volume kept the kernels
     assert "engine ready" in second
 
 
