@@ -59,8 +59,14 @@ class Server:
         return self.proc.returncode
 
 
-def spawn_server(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
-    """Starts a server without waiting for it (start several, then `wait_healthy` each)."""
+def spawn_server(tmp: Path, *flags: str, env: dict[str, str] | None = None, tiny: bool = True) -> Server:
+    """Starts a server without waiting for it (start several, then `wait_healthy` each). Without a `--model` flag
+    it serves engine/tiny.py's test model (random weights: outputs far from ties, no early end), unless `tiny` is
+    False: then the embedded default."""
+    if tiny and not any(f == "--model" or f.startswith("--model=") for f in flags) and "SLUICE_MODEL" not in (env or {}):
+        from engine.tiny import default_model_dir
+
+        flags = ("--model", str(default_model_dir()), *flags)
     port = free_port()
     log = tmp / f"serve-{port}.log"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -85,5 +91,5 @@ def wait_healthy(server: Server) -> Server:
     pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail(80)}")
 
 
-def start_server(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
-    return wait_healthy(spawn_server(tmp, *flags, env=env))
+def start_server(tmp: Path, *flags: str, env: dict[str, str] | None = None, tiny: bool = True) -> Server:
+    return wait_healthy(spawn_server(tmp, *flags, env=env, tiny=tiny))

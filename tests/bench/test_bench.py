@@ -139,3 +139,15 @@ def test_host_reports_each_phase_and_the_sorted_baseline(tiny_model_dir, tmp_pat
         assert all(r[k] <= r["step_ms"] for k in ("schedule_ms", "prepare_ms", "sample_ms", "forward_ms", "outputs_ms"))
         assert r["outputs_ms"] >= 0
     assert data["targets"][0]["value"] is not None  # the ratio against the baseline, measured in the same run
+
+
+def test_spec_reports_each_method_against_plain_decoding(tiny_model_dir, tmp_path) -> None:
+    data = json.loads((quick(["spec"], tiny_model_dir, tmp_path) / "spec.json").read_text())
+    rows = {r["system"]: r for r in data["rows"]}
+    for kind in ("copy", "ask"):
+        for batch in ("batch 1", "batch 64", "batch 64 (forced)"):
+            for method in ("ngram", "draft"):
+                r = rows[f"{kind}, {batch}, {method}"]
+                assert r["identical"] and not r.get("error"), r  # greedy: the same tokens with and without
+                assert r["tok_s_off"] > 0 and r["tok_s_on"] > 0 and r["speedup"] > 0
+    assert rows["copy, batch 1, ngram"]["acceptance"] > 0  # quoting a pasted paragraph: drafts are found and kept

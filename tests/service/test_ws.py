@@ -32,7 +32,7 @@ def reference_texts(tiny_model_dir) -> list[tuple[str, int]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the server (OMP_NUM_THREADS=1), so float reductions match
     try:
-        eng = LLMEngine(EngineConfig(**MAIN_ENGINE))
+        eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), **MAIN_ENGINE))
         prompts = [eng.apply_chat_template(_messages(i)) for i in range(N_CONN * PER_CONN)]
         outs = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     finally:

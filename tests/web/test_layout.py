@@ -2,15 +2,11 @@
 screenshots (web/index.html, web/style.css)."""
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
 
 from playwright.sync_api import expect
 
 from tests.web.common import LONG
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def assert_readable(ui) -> None:
@@ -66,9 +62,7 @@ def test_screenshots_desktop_and_phone(ui, artifacts):
     page.mouse.move(0, 0)
 
     desktop = artifacts / "ui-desktop.png"
-    page.screenshot(path=str(desktop))
-    if os.environ.get("SLUICE_UPDATE_DOCS"):  # refresh the README screenshot on purpose only
-        shutil.copyfile(desktop, DOCS / "ui.png")
+    page.screenshot(path=str(desktop))  # README's (docs/ui.png) is tests/web/test_default_model.py's: real text
     assert_readable(ui)
     page.emulate_media(color_scheme="dark")
     page.screenshot(path=str(artifacts / "ui-desktop-dark.png"))
