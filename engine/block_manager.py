@@ -290,8 +290,6 @@ class BlockManager:
             self._loads.append((slot, b.id))
         req.num_computed_tokens += len(cached) * self.block_size
         req.num_committed_blocks += len(cached)  # they came from the cache: published already
-        if cached:  # a cached block holds the draft model's KV too (engine/spec.py; copies from the host tier do not)
-            req.num_draft_computed = req.num_computed_tokens
         for _ in range(self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)):
             req.block_table.append(self._fresh().id)
         if not req.admitted:  # NOTE: a preempted request is looked up again, but counted once

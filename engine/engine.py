@@ -237,8 +237,6 @@ class LLMEngine:
             except Exception as e:  # this request's output cannot be made (its detokenizer, say): it fails alone
                 outputs.append(self.fail(req.request_id, e))
             j += sampled
-            if self.draft_model is not None and not req.draft and req.status is Status.RUNNING:
-                req.num_draft_computed = req.num_computed_tokens  # the draft model computed this step's tokens too
             req.draft = []
         if self.config.itl_slo_ms is not None:
             # NOTE: without the host tier's copies, which the model does not know (they scale with hits, not tokens)

@@ -134,21 +134,27 @@ class ModelRunner:
 
     def _draft(self, batch: Batch) -> None:
         """Fills the drafts the scheduler reserved room for (`speculative="draft:DIR"`) with the draft model's greedy
-        tokens. Every step, drafting or not, its KV catches up with every request of the batch (the tokens this
-        step computes, and the one the last step's verification may have kept beyond what it had computed), which
-        also yields each draft's first token; then one forward per further draft token, for the requests that
-        still want one. A request's
+        tokens. Its KV is computed lazily: a drafting request's first catches up from where it stopped
+        (`num_draft_computed`; a request's first draft runs its whole prompt through the draft model) to its last
+        token, which yields the draft's first token, in as many forwards as the step buffers need; then one forward
+        per further draft token, for the requests that still want one. A step where nobody drafts costs nothing.
         `num_draft_computed` moves only after the step (the engine), so a retried step drafts the same again."""
-        reqs = batch.reqs
-        starts = [r.num_draft_computed for r in reqs]
-        tokens = [r.token_ids[s : r.num_computed_tokens + n - len(r.draft)]
-                  for r, s, n in zip(reqs, starts, batch.num_new_tokens)]
-        want = [i for i, r in enumerate(reqs) if r.draft]
-        first = self._draft_step(reqs, starts, tokens, want or [0])
-        for i, t in zip(want, first):
-            reqs[i].draft[0] = t
-        for j in range(1, max((len(reqs[i].draft) for i in want), default=0)):
-            more = [reqs[i] for i in want if len(reqs[i].draft) > j]
+        want = [r for r in batch.reqs if r.draft]
+        group: list[Request] = []
+        size, cap = 0, self.input_ids.shape[0]
+        for r in want + [None]:  # groups of catch-ups that fit the buffers (one always does: < max_model_len)
+            n = 0 if r is None else r.num_tokens - r.num_draft_computed
+            if group and (r is None or size + n > cap):
+                first = self._draft_step(group, [g.num_draft_computed for g in group],
+                                         [g.token_ids[g.num_draft_computed :] for g in group], list(range(len(group))))
+                for g, t in zip(group, first):
+                    g.draft[0] = t
+                group, size = [], 0
+            if r is not None:
+                group.append(r)
+                size += n
+        for j in range(1, max((len(r.draft) for r in want), default=0)):
+            more = [r for r in want if len(r.draft) > j]
             nxt = self._draft_step(more, [r.num_tokens - 1 + j for r in more], [[r.draft[j - 1]] for r in more],
                                    list(range(len(more))))
             for r, t in zip(more, nxt):
@@ -212,7 +218,7 @@ class ModelRunner:
         with a draft the draft tokens verification kept and one more) and their logprobs if it asked for them."""
         rows = [i for i, s in enumerate(samples) if s]
         # with nothing to sample, one row still goes through the LM head: the forward fills the KV cache
-        if self.draft_model is not None:  # every step: the draft model's KV keeps up with the batch's tokens
+        if self.draft_model is not None and any(r.draft for r in batch.reqs):
             self._draft(batch)
         input_ids, meta = self._prepare(batch, rows or [0])
         if self.workers is not None:
