@@ -67,7 +67,7 @@ class Metrics:
         r = self.registry
         self.ttft = Histogram("sluice_time_to_first_token_seconds", "Arrival to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("sluice_inter_token_latency_seconds", "Time between two tokens of a request.",
+        self.itl = Histogram("sluice_inter_token_latency_seconds", "Time between two steps' tokens of a request (a speculative step may bring several).",
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("sluice_e2e_request_latency_seconds", "Arrival to the last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
