@@ -47,7 +47,7 @@ class DeviceError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None, layout: Layout | None = None,
-                 kv_caches: list | None = None):
+                 kv_caches: list | None = None, draft_model: LlamaModel | None = None):
         """`model`, `layout`, `kv_caches`: the weights, KV layout and KV pool of an engine this one replaces
         (`rebuilt`)."""
         self.config = config
@@ -59,7 +59,7 @@ class LLMEngine:
         # the other ranks load their shards while this one loads its own
         self.workers = None if shard.world == 1 else Workers(config, model_dir, self.device, self.dtype)
         try:
-            self._build(model, layout, kv_caches, shard)
+            self._build(model, layout, kv_caches, shard, draft_model)
         except BaseException:
             self.close()  # no rank outlives an engine that could not start
             raise
@@ -77,15 +77,19 @@ class LLMEngine:
             layout.block_size, layout.max_model_len, self.attention_backend,
         )
 
-    def _build(self, model: LlamaModel | None, layout: Layout | None, kv_caches: list | None, shard: Shard) -> None:
+    def _build(self, model: LlamaModel | None, layout: Layout | None, kv_caches: list | None, shard: Shard,
+               draft_model: LlamaModel | None = None) -> None:
         config, mc, model_dir = self.config, self.model_config, self.model_dir
         self.model = model or LlamaModel(mc, loader.Weights(model_dir), self.device, self.dtype, shard)
         if self.workers is not None:
             self.workers.join()
-        self.draft_model = self._load_draft()
+        self.draft_model = draft_model or self._load_draft()
         # after the weights (CUDA sizing)
         self.layout = layout = layout or plan_layout(config, mc, self.device, self.dtype,
                                                      self.draft_model.cfg if self.draft_model else None)
+        if self.draft_model is not None and self.draft_model.cfg.max_position_embeddings < layout.max_model_len:
+            raise ValueError(f"the draft model's context ({self.draft_model.cfg.max_position_embeddings} positions) is "
+                             f"shorter than max_model_len ({layout.max_model_len}): lower max_model_len")
         if self.workers is not None:
             self.workers.send_layout(layout.num_blocks, layout.block_size, layout.max_model_len)
         self.max_model_len = layout.max_model_len
@@ -110,7 +114,7 @@ class LLMEngine:
             return None
         dmc = loader.load_model_config(Path(path))
         target = loader.load_tokenizer(self.model_dir).get_vocab()
-        if loader.load_tokenizer(Path(path)).get_vocab() != target or dmc.vocab_size > self.model_config.vocab_size:
+        if loader.load_tokenizer(Path(path)).get_vocab() != target or dmc.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model {path} has another vocabulary than {self.model_dir}: its token ids "
                              "would not mean the same")
         return LlamaModel(dmc, loader.Weights(Path(path)), self.device, self.dtype)
@@ -132,10 +136,10 @@ class LLMEngine:
         if self.workers is not None:
             raise RuntimeError("a tensor-parallel engine is not rebuilt over its old ranks: start the server again")
         kept = self.runner.kv_caches if keep_cache and self.config.enable_prefix_caching else None
-        self.runner.kv_caches, self.runner.host_caches = [], []
+        self.runner.kv_caches, self.runner.host_caches, self.runner.draft_caches = [], [], []
         if self.device.type == "cuda" and kept is None:
             torch.cuda.empty_cache()  # else the allocator keeps the old pool reserved
-        new = LLMEngine(self.config, model=self.model, layout=self.layout, kv_caches=kept)
+        new = LLMEngine(self.config, model=self.model, layout=self.layout, kv_caches=kept, draft_model=self.draft_model)
         if kept is not None:
             new.block_manager.adopt_cache(self.block_manager)
         new.num_steps, new.prompt_tokens_computed, new.generation_tokens = (

@@ -60,6 +60,7 @@ def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dty
                          "use int8")
     # under tensor parallelism a rank holds its KV heads only: the budget is per rank (per GPU)
     bytes_per_block = kv_block_bytes(mc, block_size, kv_dtype, Shard.plan(mc, 0, config.tensor_parallel_size).num_kv_heads)
+    host_block = bytes_per_block  # a host slot holds the model's KV only
     if draft is not None:
         bytes_per_block += kv_block_bytes(draft, block_size, kv_dtype)
     model_len = config.max_model_len or mc.max_position_embeddings
@@ -86,7 +87,7 @@ def plan_layout(config: EngineConfig, mc: ModelConfig, device: torch.device, dty
                 f"max_model_len={max_model_len} needs more KV than {num_blocks} blocks x {block_size} tokens = {capacity}; "
                 "raise num_kv_blocks or lower max_model_len"
             )
-    host = int(config.kv_offload_gb * (1 << 30)) // bytes_per_block if config.enable_prefix_caching else 0
+    host = int(config.kv_offload_gb * (1 << 30)) // host_block if config.enable_prefix_caching else 0
     return Layout(device, dtype, block_size, num_blocks, max_model_len, host,
                   None if config.kv_cache_dtype == "auto" else kv_dtype)
 

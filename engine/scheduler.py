@@ -145,6 +145,7 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or req.is_prefilling:
                 continue  # preempted meanwhile, or mid-prompt
+            req.draft = []  # _schedule_drafts may give it one
             if self._allocate_or_preempt(req, 1, batch):
                 batch.add(req, 1)
                 budget -= 1

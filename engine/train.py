@@ -167,7 +167,9 @@ def _entry(qualname: str, obj):
     if len(doc) < 60:
         return
     try:
-        sig = re.sub(r" at 0x[0-9a-f]+", "", str(inspect.signature(obj)))  # a default's repr may hold its address
+        sig = str(inspect.signature(obj))
+        if "<" in sig:  # a default's repr: addresses, live objects (logging.shutdown's handlers): not reproducible
+            sig = ""
     except (TypeError, ValueError):
         sig = ""
     yield qualname, sig, doc
@@ -398,8 +400,7 @@ def train(a: Args, progress: bool = True, stop_after: int | None = None) -> Path
         if epoch not in cache:
             order = list(range(len(encoded)))
             random.Random(a.seed * 1000 + epoch).shuffle(order)
-            cache.clear()
-            cache[epoch] = pack(encoded, order, pad)
+            cache[epoch] = pack(encoded, order, pad)  # kept: `batch_rows` walks the epochs from the first
         return cache[epoch]
 
     torch.manual_seed(a.seed)
