@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from engine.layout import cpu_model  # noqa: F401  (re-exported: bench's host labels)
+
 RESULTS_DIR = Path(__file__).parent / "results"
 
 
@@ -102,16 +104,6 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def pick_dtype() -> str:

@@ -105,11 +105,11 @@ def main(run: Run) -> dict:
     from engine.config import default_model_dir as chat_model_dir
 
     sz = QUICK if run.quick else FULL
-    tok = LLMEngine(EngineConfig(model=str(chat_model_dir()), num_kv_blocks=16)).processor
     rows, ratios = [], {}
     cases = [(kind, b, n, forced) for kind in ("copy", "ask")
              for b, n, forced in ((1, sz.batch1_chats, False), (64, sz.batch64_chats, False), (64, sz.batch64_chats, True))]
-    answers = LLMEngine(EngineConfig(model=str(chat_model_dir()), dtype=run.dtype))
+    answers = LLMEngine(EngineConfig(model=str(chat_model_dir()), dtype=run.dtype))  # first answers; its tokenizer
+    tok = answers.processor
     for kind, batch, n, forced in cases:
         disable = batch + 1 if forced else 16  # the engine's default, or never
         convs = chats(kind, n, run.seed)

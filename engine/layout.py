@@ -5,7 +5,9 @@ Sizing); a `max_model_len` that cannot fit is refused here.
 """
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -97,3 +99,14 @@ def kv_block_bytes(mc: ModelConfig, block_size: int, kv_dtype: torch.dtype, num_
     (default: the model's)."""
     per_head = mc.head_dim * kv_dtype.itemsize + (4 if kv_dtype in QUANTIZED else 0)
     return 2 * mc.num_layers * block_size * (num_kv_heads or mc.num_kv_heads) * per_head
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for labelling measurements (benchmarks, training runs)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -375,6 +375,7 @@ def train(a: Args, progress: bool = True, stop_after: int | None = None) -> Path
     from tqdm import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from engine.layout import cpu_model
     from engine.tiny import build_tokenizer
 
     torch.set_num_threads(a.threads)
@@ -460,7 +461,7 @@ def train(a: Args, progress: bool = True, stop_after: int | None = None) -> Path
     tokenizer.save_pretrained(str(out))
     report = {
         "args": {k: v for k, v in asdict(a).items() if k != "out"},
-        "python": platform.python_version(), "torch": torch.__version__, "cpu": _cpu_name(),
+        "python": platform.python_version(), "torch": torch.__version__, "cpu": cpu_model(),
         "corpus_sha256": digest, "train_chats": len(train_chats), "held_out_chats": len(eval_chats),
         "train_tokens_per_epoch": tokens, "epochs": round(a.steps * a.batch / len(rows_of_epoch(0)), 2),
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -510,16 +511,6 @@ def ask(model: str | None, max_tokens: int = 120) -> str:
             body = "\n".join("    " + line for line in o.text.strip("\n").split("\n"))
             out.append(f"*{label}:*{cut}\n\n{body}\n")
     return "\n".join(out)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> None:
