@@ -151,7 +151,7 @@ class LLMEngine:
             setattr(new.block_manager, counter, getattr(self.block_manager, counter))
         new.runner.copy_seconds = self.runner.copy_seconds
         if new.scheduler.spec and self.scheduler.spec:
-            for counter in ("num_draft_tokens", "num_accepted_tokens", "num_steps"):
+            for counter in ("num_draft_tokens", "num_accepted_tokens", "num_steps", "num_declined"):
                 setattr(new.scheduler.spec, counter, getattr(self.scheduler.spec, counter))
         if new.block_manager.host and self.block_manager.host:
             new.block_manager.host.evictions = self.block_manager.host.evictions
@@ -217,11 +217,14 @@ class LLMEngine:
         if not batch:
             return outputs
         samples = batch.samples()
-        if self.config.itl_slo_ms is not None:  # what the step-cost model needs of this step, before commit
-            # the rest decode; a decode with a draft computes like a chunk of 1 + len(draft) tokens
-            chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling or r.draft]
+        spec = self.scheduler.spec
+        timed = self.config.itl_slo_ms is not None or spec is not None  # the step-cost model wants this step
+        if timed:  # what it needs of the step, before commit: the rest decode, some of them with a draft
+            chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling]
             cost_x = (len(batch) - len(chunks), sum(n for _, n in chunks),
                       sum(attention_work(n, r.num_computed_tokens) for r, n in chunks))
+            drafting = [r for r in batch.reqs if r.draft]  # (the scheduler's drafts: cleared as outputs are made)
+            drafts = sum(len(r.draft) for r in drafting)
         rng = self._rng_state(batch)
         try:
             tokens, logprobs = self.runner.run(batch, samples)  # returns host lists: the device is done
@@ -242,9 +245,16 @@ class LLMEngine:
                 outputs.append(self.fail(req.request_id, e))
             j += sampled
             req.draft = []
-        if self.config.itl_slo_ms is not None:
-            # NOTE: without the host tier's copies, which the model does not know (they scale with hits, not tokens)
-            self.scheduler.step_cost.observe(*cost_x, time.perf_counter() - started - copy_s)
+        if timed:
+            # NOTE: without the host tier's copies, which the model does not know (they scale with hits, not tokens),
+            # and without the draft model's time, which speculation's own model learns
+            forwards, tokens, draft_s = self.runner.draft_work
+            seconds = time.perf_counter() - started - copy_s - draft_s
+            if drafting:  # what the drafts added to a plain step's time
+                spec.observe_step(self.scheduler.step_cost.predict(*cost_x), seconds, drafts, len(drafting),
+                                  forwards, tokens, draft_s)
+            else:
+                self.scheduler.step_cost.observe(*cost_x, seconds)
         return outputs
 
     # -- when the model fails ----------------------------------------------------------------
@@ -503,6 +513,7 @@ class LLMEngine:
             "generation_tokens": self.generation_tokens,
             "spec_draft_tokens": spec.num_draft_tokens if spec else 0,
             "spec_accepted_tokens": spec.num_accepted_tokens if spec else 0,
+            "spec_declined_steps": spec.num_declined if spec else 0,
         }
 
 

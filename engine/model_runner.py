@@ -69,6 +69,7 @@ class ModelRunner:
         # to a power of two (a 40 GiB tier could pin 64)
         self.host_caches = kv_pool(model, layout, layout.num_host_blocks, torch.device("cpu")) if layout.num_host_blocks else []
         self.copy_seconds = 0.0  # spent in copy_blocks
+        self.draft_work = (0, 0, 0.0)  # the last step's draft model: forwards, tokens, seconds (its cost model's input)
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
@@ -139,6 +140,7 @@ class ModelRunner:
         token, which yields the draft's first token, in as many forwards as the step buffers need; then one forward
         per further draft token, for the requests that still want one. A step where nobody drafts costs nothing.
         `num_draft_computed` moves only after the step (the engine), so a retried step drafts the same again."""
+        t, forwards, tokens = time.perf_counter(), 0, 0
         want = [r for r in batch.reqs if r.draft]
         group: list[Request] = []
         size, cap = 0, self.input_ids.shape[0]
@@ -147,8 +149,9 @@ class ModelRunner:
             if group and (r is None or size + n > cap):
                 first = self._draft_step(group, [g.num_draft_computed for g in group],
                                          [g.token_ids[g.num_draft_computed :] for g in group], list(range(len(group))))
-                for g, t in zip(group, first):
-                    g.draft[0] = t
+                for g, tok in zip(group, first):
+                    g.draft[0] = tok
+                forwards, tokens = forwards + 1, tokens + size
                 group, size = [], 0
             if r is not None:
                 group.append(r)
@@ -157,8 +160,10 @@ class ModelRunner:
             more = [r for r in want if len(r.draft) > j]
             nxt = self._draft_step(more, [r.num_tokens - 1 + j for r in more], [[r.draft[j - 1]] for r in more],
                                    list(range(len(more))))
-            for r, t in zip(more, nxt):
-                r.draft[j] = t
+            for r, tok in zip(more, nxt):
+                r.draft[j] = tok
+            forwards, tokens = forwards + 1, tokens + len(more)
+        self.draft_work = (forwards, tokens, time.perf_counter() - t)  # (`_draft_step` waits for the device)
 
     def _draft_step(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], rows: list[int]) -> list[int]:
         input_ids, meta = self._metadata(reqs, starts, tokens, rows, [0] * len(rows))
@@ -218,6 +223,7 @@ class ModelRunner:
         with a draft the draft tokens verification kept and one more) and their logprobs if it asked for them."""
         rows = [i for i, s in enumerate(samples) if s]
         # with nothing to sample, one row still goes through the LM head: the forward fills the KV cache
+        self.draft_work = (0, 0, 0.0)
         if self.draft_model is not None and any(r.draft for r in batch.reqs):
             self._draft(batch)
         input_ids, meta = self._prepare(batch, rows or [0])

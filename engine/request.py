@@ -115,6 +115,7 @@ class Request:
         self.spec_misses = 0  # verifications in a row that kept no draft token
         self.spec_cooldown = 0  # steps left before proposing again
         self.num_draft_computed = 0  # tokens with the draft model's KV (draft:DIR), written by the block manager and engine
+        self.spec_tokens = None  # prompt lookup's copy of token_ids as an array (engine/spec.py `_Tokens`)
 
     @property
     def num_tokens(self) -> int:

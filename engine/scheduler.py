@@ -92,10 +92,11 @@ class Scheduler:
         # NOTE: the baselines never chunk, so their budget must fit the longest allowed prompt.
         self.whole_prompt_budget = max(config.max_num_batched_tokens, max_model_len)
         self.num_preemptions = 0
-        self.step_cost = StepCost()  # with config.itl_slo_ms: fed by the engine after every step, sizes prompt chunks
+        # with config.itl_slo_ms or speculation: fed by the engine after every step, sizes prompt chunks, prices drafts
+        self.step_cost = StepCost()
         self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
         self.pressure = PressureLadder(block_manager.num_blocks)  # `mixed` only: the others stay `normal`
-        self.spec = Speculation(config, max_model_len) if config.speculative else None
+        self.spec = Speculation(config, max_model_len, self.step_cost) if config.speculative else None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -109,11 +110,14 @@ class Scheduler:
         if policy == "mixed":
             budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens)
             if self.config.itl_slo_ms is not None:  # the prompt tokens a step can add and still meet the target
-                drafted = sum(len(r.draft) for r in batch.reqs)  # NOTE: priced as prompt tokens (they are computed so)
+                drafting = [r for r in batch.reqs if r.draft]
+                extra = 0.0
+                if drafting:
+                    extra = self.spec.seconds([len(r.draft) for r in drafting], self._catchup(drafting)) or 0.0
                 floor = min(budget, self.bm.block_size)
-                budget = max(floor, self.step_cost.prompt_budget(len(batch), self._next_prompt_context(),
-                                                                 self.config.itl_slo_ms / 1e3, floor=floor,
-                                                                 cap=budget + drafted) - drafted)
+                budget = self.step_cost.prompt_budget(len(batch), self._next_prompt_context(),
+                                                      self.config.itl_slo_ms / 1e3, floor=floor, cap=budget,
+                                                      extra_s=extra)
             self.prompt_budget = budget
             budget = self._schedule_partial_prefills(batch, budget)
             # NOTE: after the running requests took their blocks, so this step's preemptions gate its admissions
@@ -151,23 +155,35 @@ class Scheduler:
                 budget -= 1
             else:
                 self._preempt(req)
-        if self.spec is not None and self.spec.enabled_for(len(batch) - first):
+        decodes = len(batch) - first
+        if self.spec is not None and decodes and self.spec.enabled_for(decodes) and self.spec.may_pay(decodes):
             budget = self._schedule_drafts(batch, first, budget)
         return budget
 
     def _schedule_drafts(self, batch: Batch, first: int, budget: int) -> int:
         """Speculative decoding (engine/spec.py): the decodes batch[first:] each add their draft, from the budget and
         the blocks every decode left: a draft never preempts anyone, nor takes a decode's place."""
+        proposed = []
         for i in range(first, len(batch)):
             req = batch.reqs[i]
             if req.status is not Status.RUNNING:
                 continue  # preempted by a later decode of this step (never: those take only younger ones; kept safe)
             draft = self.spec.draft(req)
+            if draft:
+                proposed.append((i, draft))
+        allowed = self.spec.allow(len(batch) - first, [len(d) for _, d in proposed],
+                                  self._catchup([batch.reqs[i] for i, _ in proposed]))
+        for (i, draft), n in zip(proposed, allowed):
+            req, draft = batch.reqs[i], draft[:n]
             if draft and len(draft) <= budget and self.bm.allocate(req, 1 + len(draft)):
                 req.draft = draft
                 batch.num_new_tokens[i] += len(draft)
                 budget -= len(draft)
         return budget
+
+    def _catchup(self, reqs: list[Request]) -> int:
+        """Tokens the draft model must compute before these requests draft (0 with prompt lookup)."""
+        return 0 if self.spec.lookup else sum(r.num_tokens - r.num_draft_computed for r in reqs)
 
     def _schedule_partial_prefills(self, batch: Batch, budget: int) -> int:
         partial = 0

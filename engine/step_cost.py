@@ -1,11 +1,12 @@
-"""`StepCost`: what an engine step costs, learned from the steps the engine runs, for a token budget that follows an
-inter-token latency target (`EngineConfig.itl_slo_ms`, docs/architecture.md §4).
+"""What an engine step costs, learned from the steps the engine runs: `StepCost` sizes a step's prompt tokens to an
+inter-token latency target (`EngineConfig.itl_slo_ms`, docs/architecture.md §4) and tells speculative decoding
+(engine/spec.py) what a plain step costs; `LinearFit` is the fit behind it, and behind what drafts add to a step.
 
 A running stream gets one token per step, so its inter-token latency is the step's time. The model:
 `seconds = c0 + c1 * decodes + c2 * prompt_tokens + c3 * attention`, where `attention` is the work of the prompt
 chunks' attention, each chunk of n tokens after c computed ones adding n * (c + n / 2) (in millions): a chunk deep
-in a long prompt costs more than the first. Fitted by least squares over the steps seen, older steps weighing
-less (`decay` per step), so a change of load or of machine speed is followed within a few dozen steps.
+in a long prompt costs more than the first. Fitted by least squares over the steps seen, older steps weighing less
+(`decay` per step), so a change of load or of machine speed is followed within a few dozen steps.
 """
 from __future__ import annotations
 
@@ -21,39 +22,52 @@ def attention_work(num_new_tokens: int, num_computed_tokens: int) -> float:
     return num_new_tokens * (num_computed_tokens + num_new_tokens / 2) / 1e6
 
 
-class StepCost:
-    def __init__(self, decay: float = 0.97, ridge: float = 1e-6) -> None:
-        self.decay = decay
-        self._ridge = np.eye(4) * ridge  # NOTE: added at every solve, never decayed: a term no step has varied yet
-        # (decode-only steps have no prompt tokens) stays solvable, at zero
-        self._xtx = np.zeros((4, 4))  # weighted sums of x x^T and x y, x = (1, decodes, prompt tokens, attention)
-        self._xty = np.zeros(4)
-        self.steps = 0
-        self.coef: np.ndarray | None = None  # (c0, c1, c2, c3) once MIN_STEPS steps are seen
+class LinearFit:
+    """`seconds = coef @ x` by least squares over the observations, each older one weighing `decay` times less; no
+    coefficient below zero. `coef` is None until `min_steps` observations."""
 
-    def observe(self, decodes: int, prompt_tokens: int, attention: float, seconds: float) -> None:
-        x = np.array([1.0, decodes, prompt_tokens, attention])
+    def __init__(self, n: int, decay: float = 0.97, ridge: float = 1e-6, min_steps: int = MIN_STEPS) -> None:
+        self.decay, self.min_steps = decay, min_steps
+        self._ridge = np.eye(n) * ridge  # NOTE: added at every solve, never decayed: a term no observation has varied
+        # yet (decode-only steps have no prompt tokens) stays solvable, at zero
+        self._xtx = np.zeros((n, n))  # weighted sums of x x^T and x y
+        self._xty = np.zeros(n)
+        self.steps = 0
+        self.coef: np.ndarray | None = None
+
+    def add(self, x: np.ndarray, seconds: float) -> None:
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
         self.steps += 1
-        if self.steps >= MIN_STEPS:
-            # NOTE: no cost is below zero; steps that all had the same mix cannot tell the terms apart yet, and
-            # then a zero keeps the budget from running away
+        if self.steps >= self.min_steps:
+            # NOTE: steps that all had the same mix cannot tell the terms apart yet, and then a zero keeps the
+            # budget from running away
             self.coef = np.maximum(np.linalg.solve(self._xtx + self._ridge, self._xty), 0.0)
 
-    def predict(self, decodes: int, prompt_tokens: int, attention: float) -> float | None:
-        if self.coef is None:
-            return None
-        return float(self.coef @ np.array([1.0, decodes, prompt_tokens, attention]))
+    def at(self, x: np.ndarray) -> float | None:
+        """The fitted seconds for `x`, or None before `min_steps` observations."""
+        return None if self.coef is None else float(self.coef @ x)
 
-    def prompt_budget(self, decodes: int, context: int, target_s: float, floor: int, cap: int) -> int:
-        """Most prompt tokens a step with `decodes` decodes may add, as one chunk after `context` computed tokens,
-        and still take at most HEADROOM * `target_s`; within [floor, cap]: prompts always advance, and never by
-        more than the configured budget."""
+
+class StepCost(LinearFit):
+    def __init__(self, decay: float = 0.97, ridge: float = 1e-6) -> None:
+        super().__init__(4, decay, ridge)  # x = (1, decodes, prompt tokens, attention)
+
+    def observe(self, decodes: int, prompt_tokens: int, attention: float, seconds: float) -> None:
+        self.add(np.array([1.0, decodes, prompt_tokens, attention]), seconds)
+
+    def predict(self, decodes: int, prompt_tokens: int, attention: float) -> float | None:
+        return self.at(np.array([1.0, decodes, prompt_tokens, attention]))
+
+    def prompt_budget(self, decodes: int, context: int, target_s: float, floor: int, cap: int,
+                      extra_s: float = 0.0) -> int:
+        """Most prompt tokens a step with `decodes` decodes (and `extra_s` seconds of drafts) may add, as one chunk
+        after `context` computed tokens, and still take at most HEADROOM * `target_s`; within [floor, cap]:
+        prompts always advance, and never by more than the configured budget."""
         if self.coef is None:
             return cap
         c0, c1, c2, c3 = self.coef
-        room = HEADROOM * target_s - c0 - c1 * decodes
+        room = HEADROOM * target_s - c0 - c1 * decodes - extra_s
         if room <= 0:
             return floor
         # c2 n + c3 n (context + n / 2) / 1e6 <= room: the positive root of a quadratic in n

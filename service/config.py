@@ -48,6 +48,7 @@ class ServerConfig:
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
     speculative_disable_by_batch_size: int | None = None
+    speculative_adaptive: bool = True
     prefix_store: bool = True
     pin_system_prompt: tuple[str, ...] = ()
     # HTTP / WebSocket surface
@@ -94,6 +95,7 @@ class ServerConfig:
         kwargs = {f: getattr(self, f) for f in ENGINE_FIELDS if getattr(self, f) is not None}
         kwargs["enable_prefix_caching"] = self.prefix_caching
         kwargs["prefix_store"] = self.prefix_store
+        kwargs["speculative_adaptive"] = self.speculative_adaptive
         return kwargs
 
 
@@ -189,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ngram-prompt-lookup-min", type=int, metavar="N", help="shortest (default: 2)")
     e.add_argument("--speculative-disable-by-batch-size", type=int, metavar="N",
                    help="draft nothing in a step with N or more decoding requests (default: 16)")
+    e.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=d.speculative_adaptive,
+                   help="below that batch size, draft only where it pays: the draft length that yields the most tokens "
+                        "per second by a step-time model fitted online and the acceptance rate seen, none where plain "
+                        "decoding yields more (default: on)")
     e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
                    help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
                         "start instead of computing it (default: on)")

@@ -27,6 +27,7 @@ _ENGINE_COUNTERS = {
     "host_copy_seconds": "Seconds spent copying KV blocks between the pool and the host tier.",
     "spec_draft_tokens": "Draft tokens proposed and verified (speculative decoding, --speculative).",
     "spec_accepted_tokens": "Draft tokens verification accepted.",
+    "spec_declined_steps": "Steps whose drafts speculative decoding's cost model declined (plain decoding yields more).",
 }
 _ENGINE_GAUGES = {
     "num_running": "Requests running in the engine.",

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.request import Request
-from engine.spec import Speculation, propose
+from engine.spec import PROBE_EVERY, Speculation, _lookup, _Tokens, expected_kept, propose
 
 
 def test_propose_takes_the_latest_occurrence_of_the_longest_suffix():
@@ -27,6 +27,29 @@ def test_propose_takes_the_latest_occurrence_of_the_longest_suffix():
     assert propose([5, 5], 4, 1, 1) == [5]  # the continuation runs up to the end, no further
     assert propose([1, 2, 1, 2], 0, 1, 2) == []
     assert propose([3, 1, 2, 4, 1, 2], 8, 2, 2) == [4, 1, 2]
+
+
+def test_propose_matches_a_brute_force_search():
+    """Against the definition, on random token runs over small alphabets (many repeats), and through the grown
+    array a request keeps (`_Tokens`) as its tokens arrive one or a few at a time."""
+    def brute(toks, k, nmin, nmax):
+        for n in range(min(nmax, len(toks) - 1), nmin - 1, -1):
+            suffix = toks[len(toks) - n:]
+            starts = [s for s in range(len(toks) - n) if toks[s:s + n] == suffix]
+            if starts:
+                return toks[starts[-1] + n: starts[-1] + n + k]
+        return []
+
+    rng = random.Random(0)
+    for trial in range(300):
+        alphabet, nmin = rng.choice([2, 3, 5, 50]), rng.randint(1, 3)
+        nmax, k = rng.randint(nmin, 5), rng.randint(1, 6)
+        toks, grown = [], _Tokens()
+        for _ in range(rng.randint(1, 120)):
+            toks += [rng.randrange(alphabet) for _ in range(rng.choice([1, 1, 1, 3]))]
+            want = brute(toks, k, nmin, nmax) if len(toks) > nmin else []
+            assert propose(toks, k, nmin, nmax) == want, (toks, k, nmin, nmax)
+            assert _lookup(grown.of(toks), k, nmin, nmax) == want
 
 
 def _req(ids, **params) -> Request:
@@ -60,6 +83,83 @@ def test_back_off_after_misses_and_growth_after_hits():
     assert (spec.num_draft_tokens, spec.num_accepted_tokens) == (11, 3)
 
 
+def _teach(spec: Speculation, c0: float, c1: float, c4: float) -> Speculation:
+    """`spec` after plain steps that took c0 + c1 * decodes seconds, and steps whose drafts added c4 a token."""
+    rng = random.Random(0)
+    for _ in range(100):
+        d = rng.randint(1, 64)
+        spec.step_cost.observe(d, 0, 0.0, c0 + c1 * d)
+    for _ in range(20):
+        d, k, m = rng.randint(1, 64), rng.choice([4, 16, 64]), rng.randint(1, 4)
+        spec.observe_step(spec.step_cost.predict(d, 0, 0.0), c0 + c1 * d + c4 * k, k, m)
+    return spec
+
+
+def _accepting(spec: Speculation, alpha: float, n: int = 400) -> None:
+    """`n` verifications of 4 draft tokens, each kept with chance `alpha` until the first rejection."""
+    rng, r = random.Random(1), _req([1, 2])
+    for _ in range(n):
+        kept = 0
+        while kept < 4 and rng.random() < alpha:
+            kept += 1
+        spec.observe(r, 4, kept)
+
+
+def test_acceptance_rate_and_expected_tokens():
+    assert expected_kept(0.5, 4) == pytest.approx(0.9375) and expected_kept(1.0, 3) == 3 and expected_kept(0.0, 4) == 0
+    for alpha in (0.2, 0.7, 0.95):
+        spec = Speculation(EngineConfig(speculative="ngram"), 1000)
+        assert spec.acceptance == 0.5  # the prior
+        _accepting(spec, alpha)
+        assert spec.acceptance == pytest.approx(alpha, abs=0.05)
+
+
+def test_drafts_only_where_they_pay():
+    """The gate: by the step-time model (a CPU's shape: 2 ms a step, 0.05 ms a decode, 0.5 ms a draft token) and the
+    acceptance rate, the draft length that yields the most tokens per second, none where plain decoding yields more;
+    after PROBE_EVERY declined steps one request's draft goes through."""
+    spec = _teach(Speculation(EngineConfig(speculative="ngram", num_speculative_tokens=4), 1000), 0.002, 0.00005, 0.0005)
+    _accepting(spec, 0.7)
+    # batch 1: k tokens cost 2.05 + 0.5 k ms and yield 1 + 0.7 + ... + 0.7^k; k = 2 is best (0.718 tokens a ms)
+    assert spec.allow(1, [4]) == [2] and spec.allow(1, [1]) == [1]
+    assert spec.allow(64, [4] * 64) == [0] * 64  # a full batch: each draft token costs ten decodes
+    assert spec.num_declined == 1
+    assert [sum(spec.allow(64, [4] * 64)) for _ in range(PROBE_EVERY)] == [0] * (PROBE_EVERY - 1) + [4]
+    assert spec.allow(64, [3, 4, 2]) == [0, 0, 0]  # after a probe (one request's draft, all of it), declined again
+    # before anyone proposes (lookups cost time too): a batch where even the best case does not pay proposes nothing
+    assert spec.may_pay(1) and not spec.may_pay(64)
+    for _ in range(PROBE_EVERY - 2):
+        assert not spec.may_pay(64)
+    assert spec.may_pay(64) and spec.may_pay(64)  # a probe is due, and stays due until a draft goes through
+    assert spec.allow(64, [2, 4]) == [2, 0]
+    assert not spec.may_pay(64)
+    low = _teach(Speculation(EngineConfig(speculative="ngram"), 1000), 0.002, 0.00005, 0.0005)
+    _accepting(low, 0.1)
+    assert low.allow(1, [4]) == [0]  # rarely kept: not worth even one token
+    assert Speculation(EngineConfig(speculative="ngram"), 1000).allow(1, [3, 2]) == [3, 2]  # no model yet: all
+    off = _teach(Speculation(EngineConfig(speculative="ngram", speculative_adaptive=False), 1000), 0.002, 0.00005, 0.0005)
+    _accepting(off, 0.1)
+    assert off.allow(64, [4] * 64) == [4] * 64
+
+
+def test_a_draft_model_pays_for_its_forwards():
+    """With a draft model each further draft token costs a forward of it (here 1 ms), and its catch-up tokens
+    (0.01 ms each) come first."""
+    spec = _teach(Speculation(EngineConfig(speculative="draft:/models/small"), 1000), 0.002, 0.00005, 0.00015)
+    _accepting(spec, 0.9)
+    assert spec.allow(1, [4], catchup=1) == [4]  # its cost unknown yet: all of it
+    for f, t in [(1, 200), (4, 3), (2, 40)]:  # three steps tell its two terms apart
+        spec.observe_step(None, 0.0, 4, 1, forwards=f, tokens=t, draft_s=0.001 * f + 0.00001 * t)
+    assert spec.seconds([4], catchup=1) == pytest.approx(4 * 0.00015 + 0.004 + 0.00001 * 4)
+    # k = 3: 3.44 tokens in 5.53 ms (k = 4: 4.1 in 6.69), against 1 in 2.05
+    assert spec.allow(1, [4], catchup=1) == [3]
+    assert spec.allow(1, [4], catchup=2000) == [0]  # the catch-up alone costs 20 ms
+    low = _teach(Speculation(EngineConfig(speculative="draft:/models/small"), 1000), 0.002, 0.00005, 0.00015)
+    low.draft_cost = spec.draft_cost
+    _accepting(low, 0.3)
+    assert low.allow(1, [4], catchup=1) == [0]
+
+
 def _prompts(seed: int = 3) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(3, 1024) for _ in range(40)]
@@ -86,7 +186,8 @@ MAX_TOKENS = [300, 41, 177, 256, 223]
 
 
 def _run(model_dir, setup: dict, prompts, params, **spec):
-    cfg = dict(num_kv_blocks=256, speculative_disable_by_batch_size=64) | setup | spec
+    # NOTE: without the cost model's gate (timed, so not deterministic): every proposal is verified
+    cfg = dict(num_kv_blocks=256, speculative_disable_by_batch_size=64, speculative_adaptive=False) | setup | spec
     eng = LLMEngine(EngineConfig(model=str(model_dir), **cfg))
     outs = []
     for _ in range(2):  # the second round meets the first's prompts in the prefix cache
@@ -144,7 +245,8 @@ def test_stop_inside_a_verified_draft(tiny_model_dir):
     cases = [SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]),
              SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, stop=[stop_text]),
              SamplingParams(max_tokens=203, temperature=0.0, ignore_eos=True)]
-    spec_eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, speculative="ngram"))
+    spec_eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, speculative="ngram",
+                                      speculative_adaptive=False))
     for p in cases:
         a = base_eng.generate([prompt], p)[0]
         b = spec_eng.generate([prompt], p)[0]
@@ -156,7 +258,7 @@ def test_stop_inside_a_verified_draft(tiny_model_dir):
 def test_rejected_drafts_give_their_blocks_back(tiny_model_dir):
     """After every step a request holds the blocks its tokens need, no more (the rest held only rejected drafts)."""
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, block_size=4, speculative="ngram",
-                                 num_speculative_tokens=8))
+                                 num_speculative_tokens=8, speculative_adaptive=False))
     eng.add_request("a", _prompts()[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
     req, rejected = eng.requests["a"], 0
     while eng.has_unfinished():
@@ -181,7 +283,7 @@ def test_no_drafts_at_or_above_the_disable_batch_size(tiny_model_dir):
     eng.generate(prompts, params)
     assert eng.stats()["spec_draft_tokens"] == 0
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, speculative="ngram",
-                                 speculative_disable_by_batch_size=4))
+                                 speculative_disable_by_batch_size=4, speculative_adaptive=False))
     eng.generate(prompts, params)
     assert eng.stats()["spec_draft_tokens"] > 0
 
@@ -217,7 +319,8 @@ def test_sampled_distribution_unchanged(tiny_model_dir, method):
     for spec in (None, spec_of[method]):
         eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=2048, max_num_seqs=n,
                                      max_num_batched_tokens=n * 5 + 128, speculative=spec, seed=1 + (spec is None),
-                                     speculative_disable_by_batch_size=n + 1, max_model_len=512))
+                                     speculative_disable_by_batch_size=n + 1, max_model_len=512,
+                                     speculative_adaptive=False))
         params = [SamplingParams(max_tokens=3, temperature=0.8, top_k=3, ignore_eos=True) for _ in range(n)]
         eng.generate([prompt], SamplingParams(max_tokens=1))  # the prompt's KV, then found in the prefix cache
         outs = eng.generate([prompt] * n, params)
@@ -253,7 +356,7 @@ def test_draft_model_as_its_own_draft_keeps_every_token(tiny_model_dir):
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     base = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)).generate([prompt], params)[0]
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, speculative=f"draft:{tiny_model_dir}",
-                                 num_speculative_tokens=4))
+                                 num_speculative_tokens=4, speculative_adaptive=False))
     assert eng.generate([prompt], params)[0].token_ids == base.token_ids
     st = eng.stats()
     assert st["spec_accepted_tokens"] == st["spec_draft_tokens"] > 0
@@ -267,3 +370,27 @@ def test_draft_model_must_share_the_vocabulary(tiny_model_dir, tmp_path):
     other = build("tiny", tmp_path / "other", seed=9, progress=False)
     with pytest.raises(ValueError, match="another vocabulary"):
         LLMEngine(EngineConfig(model=str(tiny_model_dir), speculative=f"draft:{other}"))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_the_gate_in_the_engine(tiny_model_dir, method):
+    """The engine with the gate on (the default) and a known step cost: where drafts are cheap it drafts; where a
+    draft token costs 100 steps it drafts only on probes, once every PROBE_EVERY + 1 steps; either way the greedy
+    output is plain decoding's."""
+    prompt = _prompts()[0]
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    base = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128)).generate([prompt], params)[0]
+    spec = "ngram" if method == "ngram" else f"draft:{tiny_model_dir}"
+    for c4, drafting in ((1e-5, "often"), (0.2, "probes")):
+        eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, speculative=spec))
+        sp = _teach(eng.scheduler.spec, 0.002, 0.0001, c4)
+        for f, t in [(1, 200), (4, 3), (2, 40), (3, 2)]:  # a draft forward costs 0.1 ms
+            sp.observe_step(None, 0.0, 4, 1, forwards=f, tokens=t, draft_s=0.0001 * f + 1e-7 * t)
+        eng.scheduler.step_cost.observe = sp.observe_step = lambda *args, **kw: None  # keep the known models
+        assert eng.generate([prompt], params)[0].token_ids == base.token_ids
+        spec_obj = eng.scheduler.spec
+        if drafting == "often":
+            assert spec_obj.num_steps > 20 and spec_obj.num_declined < spec_obj.num_steps
+        else:
+            assert 0 < spec_obj.num_steps <= eng.stats()["num_steps"] // (PROBE_EVERY + 1) + 1
+            assert eng.stats()["spec_declined_steps"] == spec_obj.num_declined >= PROBE_EVERY

@@ -28,6 +28,10 @@ def test_the_fit_recovers_the_cost_and_the_budget_meets_the_target() -> None:
         assert cost.predict(16, budget, attention_work(budget, context)) <= HEADROOM * 0.100
         assert cost.predict(16, budget + 1, attention_work(budget + 1, context)) > HEADROOM * 0.100
     assert cost.prompt_budget(16, 3000, 0.100, 16, 2048) < cost.prompt_budget(16, 0, 0.100, 16, 2048)
+    # a step's drafts (speculative decoding) take their predicted time from the prompt tokens' room
+    with_drafts = cost.prompt_budget(16, 0, 0.100, 16, 2048, extra_s=0.005)
+    assert cost.predict(16, with_drafts, attention_work(with_drafts, 0)) + 0.005 <= HEADROOM * 0.100
+    assert cost.predict(16, with_drafts + 1, attention_work(with_drafts + 1, 0)) + 0.005 > HEADROOM * 0.100
 
 
 def test_noise_still_gives_a_budget_near_the_truth() -> None:
@@ -85,6 +89,20 @@ def test_an_engine_without_a_target_keeps_its_budget(tiny_model_dir) -> None:
     eng.generate([[3] * 100], SamplingParams(max_tokens=2, ignore_eos=True))
     # the last step decoded one token: 63 of the fixed 64 were left for prompts; no model is fitted
     assert eng.scheduler.prompt_budget == 63 and eng.scheduler.step_cost.steps == 0
+
+
+def test_speculation_feeds_the_model_without_a_target(tiny_model_dir) -> None:
+    """Speculative decoding prices drafts by the step-cost model, so the engine fits it with no `itl_slo_ms` too: on
+    the steps without drafts; the steps with drafts teach what they add to it, and the draft model's time its own
+    model."""
+    prompt = [3, 4, 5, 6, 7, 8, 9] * 12  # the greedy output soon repeats: prompt lookup drafts
+    for spec in ("ngram", f"draft:{tiny_model_dir}"):
+        eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, speculative=spec))
+        eng.generate([prompt], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        cost, sp, st = eng.scheduler.step_cost, eng.scheduler.spec, eng.stats()
+        assert st["spec_draft_tokens"] > 0 and cost.coef is not None and sp.verify_cost.coef is not None
+        assert 0 < cost.steps < st["num_steps"] and sp.verify_cost.steps > 0  # plain steps, and steps with drafts
+        assert (sp.draft_cost.coef is not None) == spec.startswith("draft:")
 
 
 def test_bad_target_is_refused() -> None:
