@@ -394,6 +394,101 @@ def engine_rows(
     return [lambda bs=bs: row(bs) for bs in batches]
 
 
+def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Row]]:
+    """Decode steps replayed from CUDA graphs against the same steps run eagerly (engine/cuda_graphs.py): ms per
+    step and the GPU's busy share of it (kernel time from torch.profiler over the step's wall time) at each batch
+    size, bf16; then greedy tokens of both in fp32. A dry run replays nothing: the buckets run eagerly on the graphs'
+    buffers (logic only)."""
+    import gc
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.cuda_graphs import DecodeGraphs, capture_sizes
+    from engine.tiny import write_model
+
+    tmp = tempfile.mkdtemp(prefix="sluice-gpu-graphs-")
+    shape, vocab = (MODEL_05B, 8192) if dev == "cuda" else (MODEL_DRY, 1024)
+    paths: dict[str, str] = {}
+
+    def engine(dtype: str, graphs: bool) -> LLMEngine:
+        if dtype not in paths:
+            paths[dtype] = str(write_model(f"{tmp}/{dtype}", shape, seed=0, dtype=getattr(torch, dtype),
+                                           tokenizer_vocab=vocab, progress=False))
+        gc.collect()  # the last engine's pool and graphs go before this one sizes its own
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        eng = LLMEngine(EngineConfig(model=paths[dtype], dtype=dtype, device=dev, max_num_seqs=max(batches),
+                                     max_num_batched_tokens=8192, max_model_len=1024, num_kv_blocks=4096,
+                                     enforce_eager=not (graphs and dev == "cuda")))
+        if graphs and dev != "cuda":
+            r = eng.runner
+            r.graphs = DecodeGraphs(eng.model, r.kv_caches, capture_sizes(max(batches)), r.max_blocks_per_seq,
+                                    r.block_size, r.device, capture=False)
+        return eng
+
+    def decode(eng: LLMEngine, bs: int) -> tuple[float, float]:
+        """(ms per decode step, GPU busy share) for `bs` requests at 128 tokens of context and up."""
+        g = torch.Generator().manual_seed(bs)
+        for i in range(bs):
+            eng.add_request(f"d{bs}-{i}", torch.randint(3, vocab, (128,), generator=g).tolist(),
+                            SamplingParams(max_tokens=2 * steps + 16, temperature=0.0, ignore_eos=True))
+        while len(eng.scheduler.running) < bs or any(r.is_prefilling for r in eng.scheduler.running):
+            eng.step()
+        for _ in range(3):  # warm: the steps after prefill, at this batch size
+            eng.step()
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()  # each ends on the host: the sampled tokens were read
+        ms = (time.perf_counter() - t) / steps * 1e3
+        busy = float("nan")
+        if dev == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            try:  # the share is worth a row's notes, not the row
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps // 2):
+                        eng.step()
+                    torch.cuda.synchronize()
+                kernel_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / (steps // 2)
+                busy = kernel_ms / ms
+            except Exception as e:
+                print(f"profiler: {type(e).__name__}: {e}", file=sys.stderr)
+        for rid in list(eng.requests):
+            eng.abort(rid)
+        eng.step()
+        return ms, busy
+
+    state: dict[str, dict[int, tuple[float, float]]] = {}
+
+    def measured(mode: str) -> dict[int, tuple[float, float]]:
+        if mode not in state:
+            eng = engine("bfloat16" if dev == "cuda" else "float32", mode == "graphs")
+            state[mode] = {bs: decode(eng, bs) for bs in batches}
+        return state[mode]
+
+    def row(bs: int) -> Row:
+        (g_ms, g_busy), (e_ms, e_busy) = measured("graphs")[bs], measured("eager")[bs]
+        pct = lambda x: "–" if x != x else f"{x:.0%}"  # noqa: E731 (nan: not measured)
+        r = Row("decode step: graphs vs eager", f"{'0.5B-shaped bf16' if dev == 'cuda' else 'tiny fp32'}, batch {bs}, "
+                f"ms/step {g_ms:.2f} vs {e_ms:.2f}, GPU busy {pct(g_busy)} vs {pct(e_busy)}")
+        r.triton_ms, r.ref_ms = f"{g_ms:.2f}", f"{e_ms:.2f}"
+        r.tok_s = f"{bs / g_ms * 1e3:,.0f} vs {bs / e_ms * 1e3:,.0f}"
+        return r
+
+    def same_tokens() -> Row:
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 128, 300, 17, 64, 9, 200)]
+        params = SamplingParams(max_tokens=32 if dev == "cuda" else 4, temperature=0.0, ignore_eos=True)
+        toks = [[o.token_ids for o in engine("float32", graphs).generate(prompts, params)] for graphs in (False, True)]
+        r = Row("greedy tokens: graphs vs eager", f"fp32, {len(prompts)} prompts x {params.max_tokens} tokens")
+        r.err = "identical" if toks[0] == toks[1] else "DIFFER"
+        r.ok = toks[0] == toks[1]
+        if not r.ok:
+            r.notes.append(f"{sum(a != b for a, b in zip(*toks))} of {len(prompts)} sequences differ")
+        return r
+
+    return [lambda bs=bs: row(bs) for bs in batches] + [same_tokens]
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -401,6 +496,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU via TRITON_INTERPRET (logic check)")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--only-graphs", action="store_true", help="only the CUDA-graph rows (decode steps, equality)")
     ap.add_argument("--no-torch-e2e", action="store_true", help="skip the torch-reference engine comparison")
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
@@ -408,11 +504,13 @@ def main() -> int:
         return 2
     dev = "cpu" if args.dry_run else "cuda"
     s = TINY if args.dry_run else REAL
-    checks = attention_rows(s, dev) + quantized_rows(s, dev) + elementwise_rows(s, dev)
-    if not args.skip_engine:
+    checks = [] if args.only_graphs else attention_rows(s, dev) + quantized_rows(s, dev) + elementwise_rows(s, dev)
+    if not (args.skip_engine or args.only_graphs):
         batches = [1, 2] if args.dry_run else [1, 16, 64, 128]
         checks += engine_rows(dev, batches, 8 if args.dry_run else 128, 3 if args.dry_run else 128,
                               with_torch=not args.no_torch_e2e)
+    if not args.skip_engine:
+        checks += graph_rows(dev, [1, 2] if args.dry_run else [1, 64, 256], 3 if args.dry_run else 20)
 
     rows: list[Row] = []
     t0 = time.perf_counter()

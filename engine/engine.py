@@ -16,6 +16,7 @@ import kernels
 from engine import loader
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_dir, sluice_home
+from engine.cuda_graphs import capture_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
@@ -101,10 +102,20 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, layout.max_model_len)
         self.runner = ModelRunner(self.model, layout=layout, max_num_tokens=self.scheduler.whole_prompt_budget,
                                   max_num_seqs=config.max_num_seqs, seed=config.seed, kv_caches=kv_caches,
-                                  workers=self.workers, draft_model=self.draft_model)
+                                  workers=self.workers, draft_model=self.draft_model, graph_sizes=self._graph_sizes())
         if self.device.type == "cpu" and kernels.MODE == "auto":
             kernels.cpu.load(sluice_home() / "build")  # the native CPU kernels; the torch twins if that fails
         self.attention_backend = kernels.attention_backend(self.device, self.dtype, layout.cache_dtype)
+
+    def _graph_sizes(self) -> list[int] | None:
+        """The batch sizes decode steps are captured at in CUDA graphs (`enforce_eager=False`), or None."""
+        if self.config.enforce_eager:
+            return None
+        if self.device.type != "cuda" or self.workers is not None:
+            # NOTE: a tensor-parallel forward all-reduces over NCCL: not captured yet
+            log.warning("enforce_eager=False: CUDA graphs need a CUDA device and one rank; running eagerly")
+            return None
+        return capture_sizes(self.config.max_num_seqs)
 
     def _load_draft(self) -> LlamaModel | None:
         """Speculative decoding's draft model (`speculative="draft:DIR"`): any llama-family model whose tokenizer has
@@ -137,6 +148,7 @@ class LLMEngine:
             raise RuntimeError("a tensor-parallel engine is not rebuilt over its old ranks: start the server again")
         kept = self.runner.kv_caches if keep_cache and self.config.enable_prefix_caching else None
         self.runner.kv_caches, self.runner.host_caches, self.runner.draft_caches = [], [], []
+        self.runner.graphs = None  # its graphs read the old pool: the new runner captures its own
         if self.device.type == "cuda" and kept is None:
             torch.cuda.empty_cache()  # else the allocator keeps the old pool reserved
         new = LLMEngine(self.config, model=self.model, layout=self.layout, kv_caches=kept, draft_model=self.draft_model)

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.layout import Layout
 from engine.models import LlamaModel
 from engine.models.llama import AttentionMetadata
@@ -43,12 +44,13 @@ def kv_pool(model: LlamaModel, layout: Layout, num_blocks: int | None = None,
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, layout: Layout, max_num_tokens: int, max_num_seqs: int, seed: int,
                  kv_caches: list[tuple[torch.Tensor, ...]] | None = None, workers=None,
-                 draft_model: LlamaModel | None = None):
+                 draft_model: LlamaModel | None = None, graph_sizes: list[int] | None = None):
         """`max_num_tokens`, `max_num_seqs`: the most tokens and sequences one step may hold. `kv_caches`: the pool
         of a runner this one replaces, kept with what it holds (else a new one). `workers`: the other ranks of a
         tensor-parallel group (engine/parallel.py), sent each step's inputs before its forward. `draft_model`:
         speculative decoding's draft model (engine/spec.py); its KV lives in blocks of the same ids, in
-        `draft_caches` (the block tables index both)."""
+        `draft_caches` (the block tables index both). `graph_sizes`: the batch sizes decode steps are captured at in
+        CUDA graphs (engine/cuda_graphs.py; on a CPU the same buffers run eagerly: for tests)."""
         cfg, device = model.cfg, layout.device
         self.model = model
         self.workers = workers
@@ -80,6 +82,9 @@ class ModelRunner:
         # NOTE: the host buffers above are reused every step; copies out of them are asynchronous
         # on CUDA, so the next step must not overwrite them before the last copies have run.
         self.copies_done = torch.cuda.Event() if device.type == "cuda" else None
+        self.graphs = None if not graph_sizes else DecodeGraphs(
+            model, self.kv_caches, graph_sizes, self.max_blocks_per_seq, self.block_size, device,
+            capture=device.type == "cuda")
 
     def _prepare(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Step metadata on the device; `rows`: the sequences whose last token reaches the LM head (with a draft,
@@ -226,10 +231,13 @@ class ModelRunner:
         self.draft_work = (0, 0, 0.0)
         if self.draft_model is not None and any(r.draft for r in batch.reqs):
             self._draft(batch)
-        input_ids, meta = self._prepare(batch, rows or [0])
-        if self.workers is not None:
-            self.workers.step(input_ids, meta)
-        logits = self.model.forward(input_ids, meta, self.kv_caches)
+        if self._graphed(batch, rows):
+            logits = self.graphs.run(batch.reqs)
+        else:
+            input_ids, meta = self._prepare(batch, rows or [0])
+            if self.workers is not None:
+                self.workers.step(input_ids, meta)
+            logits = self.model.forward(input_ids, meta, self.kv_caches)
         if not rows:
             return [], []
         reqs = [batch.reqs[i] for i in rows]
@@ -237,6 +245,14 @@ class ModelRunner:
             return self.sampler.verify(logits, reqs)
         tokens, logprobs = self.sampler(logits, reqs)
         return [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs]
+
+
+    def _graphed(self, batch: Batch, rows: list[int]) -> bool:
+        """Is this a step a graph replays: one token of each request, each sampled (so no draft), within the
+        largest bucket?"""
+        g = self.graphs
+        return (g is not None and len(rows) == len(batch) <= g.max_size
+                and all(n == 1 for n in batch.num_new_tokens))
 
 
 def _logits_indices(last: np.ndarray, drafts: list[int]) -> np.ndarray:

@@ -49,6 +49,7 @@ class ServerConfig:
     ngram_prompt_lookup_min: int | None = None
     speculative_disable_by_batch_size: int | None = None
     speculative_adaptive: bool = True
+    enforce_eager: bool = True
     prefix_store: bool = True
     pin_system_prompt: tuple[str, ...] = ()
     # HTTP / WebSocket surface
@@ -96,6 +97,7 @@ class ServerConfig:
         kwargs["enable_prefix_caching"] = self.prefix_caching
         kwargs["prefix_store"] = self.prefix_store
         kwargs["speculative_adaptive"] = self.speculative_adaptive
+        kwargs["enforce_eager"] = self.enforce_eager
         return kwargs
 
 
@@ -195,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="below that batch size, draft only where it pays: the draft length that yields the most tokens "
                         "per second by a step-time model fitted online and the acceptance rate seen, none where plain "
                         "decoding yields more (default: on)")
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
+                   help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs captured at "
+                        "start-up per batch-size bucket, on CUDA with one rank (default: on, every step eager, until graphs "
+                        "have been measured on a GPU)")
     e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
                    help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
                         "start instead of computing it (default: on)")

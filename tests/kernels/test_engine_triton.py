@@ -49,6 +49,44 @@ def _tokens(proc: subprocess.Popen) -> list[list[int]]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+GRAPHS_SCRIPT = """
+import json, sys
+import kernels
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
+assert kernels.MODE == "triton", kernels.MODE
+prompts = [list(range(40, 40 + n)) for n in (22, 5, 13)]
+toks = []
+for graphs in (False, True):
+    # max_model_len 1024: full-width block tables make the decode buckets split the KV (2 splits of 512)
+    eng = LLMEngine(EngineConfig(model=sys.argv[1], dtype="float32", device="cpu", block_size=16, num_kv_blocks=64,
+                                 max_model_len=1024, max_num_seqs=4))
+    if graphs:
+        r = eng.runner
+        r.graphs = DecodeGraphs(eng.model, r.kv_caches, capture_sizes(4), r.max_blocks_per_seq, r.block_size,
+                                r.device, capture=False)
+        runs = []
+        run = r.graphs.run
+        r.graphs.run = lambda reqs: runs.append(len(reqs)) or run(reqs)
+    toks.append([o.token_ids for o in eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0,
+                                                                            ignore_eos=True) for m in (4, 2, 3)])])
+print(json.dumps({"eager": toks[0], "graphs": toks[1], "runs": runs}))
+"""
+
+
+def test_decode_graph_buffers_through_triton_kernels(model_dir):
+    """The graph path's buffers (engine/cuda_graphs.py, run eagerly here) through the Triton kernels: a padded
+    bucket (3 requests in 4), full-width block tables with split KV, the same tokens as the plain path."""
+    env = dict(os.environ, SLUICE_KERNELS="triton", TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", GRAPHS_SCRIPT, str(model_dir)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [len(t) for t in got["eager"]] == [4, 2, 3]
+    assert got["graphs"] == got["eager"]
+    assert 3 in got["runs"] and 1 in got["runs"], got["runs"]
+
+
 def test_triton_engine_matches_torch_engine(model_dir):
     procs = {mode: _start(model_dir, mode) for mode in ("torch", "triton")}  # both at once
     torch_tokens, triton_tokens = _tokens(procs["torch"]), _tokens(procs["triton"])
