@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check (H100/H200): installs the working tree into a venv, then runs bench/gpu_check.py
 # which prints one markdown table (kernels vs reference, timings, decode GB/s, engine tokens/s).
-# Usage: bench/gpu_check.sh [--skip-engine] [--no-torch-e2e]      (CPU logic check: --dry-run)
+# Usage: bench/gpu_check.sh [--skip-engine] [--no-torch-e2e] [--only-graphs]      (CPU logic check: --dry-run)
 # Budget: <= 8 minutes on one H200 including the install. Works offline if torch+triton are preinstalled.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

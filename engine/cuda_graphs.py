@@ -1,8 +1,8 @@
 """CUDA graphs for decode steps (docs/architecture.md §8): the forward captured once per batch-size bucket.
 
 A decode step runs the same ~240 kernels at a given batch size every time; launched one by one from Python they
-cost the host more time than the GPU takes to run them (issue 15's H200 profile: the GPU busy 1.5 ms of a 12.8 ms
-step; the same forward replayed from a graph: 1.0-1.6 ms). So at start-up the runner runs the forward once per
+cost the host more time than the GPU takes to run them (issue 15's H200 profile of the eager step: the GPU busy
+1.5 ms of a 12.8 ms step). So at start-up the runner runs the forward once per
 bucket (`capture_sizes`) on static device buffers and records it; a decode step of B requests then writes its
 metadata into those buffers, padded up to the smallest bucket that holds B, and replays that bucket's graph.
 
@@ -11,8 +11,15 @@ What makes one recording right for every step of its bucket:
   not values: kernels/triton/attention.py);
 - block tables are full width (`max_model_len` of blocks), so the attention grid and its split-KV count are fixed
   per bucket and cover any context;
-- a padding row is token 0 at position 0 with slot -1 (`store_kv` skips it), a block table of zeros and a context
-  of one token: it reads block 0, whose values are finite (the pool starts zeroed), and its logits are dropped.
+- a padding row is token 0 at position 0 with slot -1 (`store_kv` skips it), block 0 first in its block table and
+  a context of one token: it reads block 0, whose values are finite (the pool starts zeroed), and its logits are
+  dropped. The warm-up and capture runs are all padding: they write no KV (a kept pool's cached blocks survive);
+- each graph copies its logits into one shared output buffer, so the pool holds one bucket's activations, not
+  every bucket's logits.
+
+Buckets stop at 512 sequences (`MAX_CAPTURE_SIZE`, as vLLM's): larger decode batches run eagerly, where the
+launches weigh less against the work. The attention's split-KV count is chosen for `max_model_len`, not the
+context of the moment (a long `max_model_len` and short contexts split more than an eager step would).
 
 Steps with prompt chunks or drafts run eagerly. Off unless asked for (`EngineConfig.enforce_eager=False`): no GPU
 has run this code yet (issue 15). With `capture=False` the buckets run eagerly on the same buffers: how the CPU
@@ -35,10 +42,15 @@ from engine.request import Request
 log = logging.getLogger("sluice.engine")
 
 
+MAX_CAPTURE_SIZE = 512
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The batch-size buckets: 1, 2, 4, 8, then every multiple of 16, up to the first that holds `max_num_seqs`."""
-    sizes = [1, 2, 4, 8, *range(16, max_num_seqs + 16, 16)]
-    return sizes[: bisect.bisect_left(sizes, max_num_seqs) + 1]
+    """The batch-size buckets: 1, 2, 4, 8, then every multiple of 16, up to the first that holds `max_num_seqs`
+    (at most `MAX_CAPTURE_SIZE`)."""
+    n = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [1, 2, 4, 8, *range(16, n + 16, 16)]
+    return sizes[: bisect.bisect_left(sizes, n) + 1]
 
 
 class DecodeGraphs:
@@ -50,11 +62,14 @@ class DecodeGraphs:
         n, pin = self.sizes[-1], device.type == "cuda"
         # the static inputs, and their host staging (pinned on CUDA, so the copies are asynchronous)
         self.ints = torch.zeros((3, n), dtype=torch.int64, device=device)  # token ids, positions, slots
+        self.ints[2].fill_(-1)  # all padding until a step fills it: the warm-up and capture runs store nothing
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each, always
         self.rows = torch.arange(n, dtype=torch.int64, device=device)  # every row reaches the LM head
+        self.logits = torch.zeros((n, model.cfg.vocab_size), dtype=torch.float32, device=device)  # every graph's output
         self.host_ints = torch.zeros((3, n), dtype=torch.int64, pin_memory=pin)
+        self.host_ints[2] = -1
         self.host_block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
         self.host_seq_lens = torch.ones(n, dtype=torch.int32, pin_memory=pin)
         # NOTE: the staging buffers are rewritten every step; on CUDA the last step's copies out of them must be done
@@ -73,7 +88,9 @@ class DecodeGraphs:
         meta = AttentionMetadata(positions=self.ints[1, :b], slot_mapping=self.ints[2, :b],
                                  block_tables=self.block_tables[:b], cu_seqlens_q=self.cu_seqlens_q[: b + 1],
                                  seq_lens=self.seq_lens[:b], logits_indices=self.rows[:b])
-        return self.model.forward(self.ints[0, :b], meta, self.kv_caches)
+        out = self.logits[:b]
+        out.copy_(self.model.forward(self.ints[0, :b], meta, self.kv_caches))
+        return out
 
     def _capture(self, device: torch.device) -> None:
         """Largest bucket first, all in one memory pool: a smaller graph reuses what the larger one allocated."""
@@ -87,7 +104,8 @@ class DecodeGraphs:
                 self._forward(b)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: CUDA calls of other threads (a stuck engine's, during a rebuild) do not void the capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 logits = self._forward(b)
             self.replays[b] = lambda graph=graph, logits=logits: (graph.replay(), logits)[1]
         torch.cuda.synchronize(device)
@@ -102,8 +120,8 @@ class DecodeGraphs:
 
     def run(self, reqs: list[Request]) -> torch.Tensor:
         """The logits `[len(reqs), vocab]` of a step that computes one token of each request (its token at
-        `num_computed_tokens`, whose KV slot is allocated): the bucket's graph replayed. The tensor is the graph's
-        own output, overwritten by the next replay."""
+        `num_computed_tokens`, whose KV slot is allocated): the bucket's graph replayed. The tensor is the graphs'
+        shared output buffer, overwritten by the next replay."""
         B, bs = len(reqs), self.block_size
         b = self.bucket(B)
         assert b is not None and B > 0, (B, self.sizes)
@@ -114,9 +132,9 @@ class DecodeGraphs:
         ints[0, :B] = [r.token_ids[r.num_computed_tokens] for r in reqs]
         ints[1, :B] = pos
         bt = self.host_block_tables.numpy()
-        bt[:b].fill(0)
-        for i, r in enumerate(reqs):
+        for i, r in enumerate(reqs):  # NOTE: entries past a row's blocks are stale ids: never read (past its context)
             bt[i, : len(r.block_table)] = r.block_table
+        bt[B:b, 0] = 0
         ints[2, :B] = bt[np.arange(B), pos // bs].astype(np.int64) * bs + pos % bs
         ints[:, B:b] = ((0,), (0,), (-1,))  # padding: token 0 at position 0, stored nowhere
         lens = self.host_seq_lens.numpy()

@@ -115,6 +115,10 @@ class LLMEngine:
             # NOTE: a tensor-parallel forward all-reduces over NCCL: not captured yet
             log.warning("enforce_eager=False: CUDA graphs need a CUDA device and one rank; running eagerly")
             return None
+        if kernels.attention_backend(self.device, self.dtype, self.layout.cache_dtype) != "triton":
+            # the torch twins read device values on the host (`.tolist()`, boolean masks): no capture survives that
+            log.warning("enforce_eager=False: CUDA graphs need the Triton kernels (SLUICE_KERNELS=torch); running eagerly")
+            return None
         return capture_sizes(self.config.max_num_seqs)
 
     def _load_draft(self) -> LlamaModel | None:

@@ -7,6 +7,7 @@ the buffers rewritten every step. tests/kernels/test_engine_triton.py runs the s
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -91,3 +92,25 @@ def test_cpu_engine_ignores_no_enforce_eager(tiny_model_dir, caplog):
                                  enforce_eager=False))
     assert eng.runner.graphs is None
     assert "CUDA graphs need a CUDA device" in caplog.text
+
+
+def test_capture_runs_write_no_kv(tiny_model_dir):
+    """The warm-up and capture runs (all padding) store nothing: a pool kept across `rebuilt(keep_cache=True)`
+    still holds its cached prompts when the new runner's graphs are recorded."""
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=32))
+    prompt = list(range(50, 90))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = eng.generate([prompt], params)[0].token_ids
+    new = eng.rebuilt(keep_cache=True)
+    before = [t.clone() for t in new.runner.kv_caches[0]]
+    graphed(new)
+    g = new.runner.graphs
+    for b in g.sizes:  # what `_capture` runs, warm-up and recording alike
+        g._forward(b)
+    assert all(torch.equal(a, b) for a, b in zip(before, new.runner.kv_caches[0]))
+    again = new.generate([prompt], params)[0]
+    assert again.num_cached_tokens > 0 and again.token_ids == first
+
+
+def test_buckets_stop_at_512():
+    assert capture_sizes(4096)[-1] == 512
