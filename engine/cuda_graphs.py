@@ -122,6 +122,10 @@ class DecodeGraphs:
         """The logits `[len(reqs), vocab]` of a step that computes one token of each request (its token at
         `num_computed_tokens`, whose KV slot is allocated): the bucket's graph replayed. The tensor is the graphs'
         shared output buffer, overwritten by the next replay."""
+        return self.stage(reqs)()
+
+    def stage(self, reqs: list[Request]) -> Callable[[], torch.Tensor]:
+        """`run` in two: fills the buffers from the requests now; the replay it returns reads none of them."""
         B, bs = len(reqs), self.block_size
         b = self.bucket(B)
         assert b is not None and B > 0, (B, self.sizes)
@@ -145,4 +149,5 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(self.host_seq_lens[:b], non_blocking=True)
         if self.copies_done is not None:
             self.copies_done.record()
-        return self.replays[b]()[:B]
+        replay = self.replays[b]
+        return lambda: replay()[:B]

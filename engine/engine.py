@@ -8,6 +8,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -66,6 +71,9 @@ class LLMEngine:
             raise
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
+        # async_output_proc: the thread forwards run on, and the last step's outputs, made while the next one runs
+        self._forwards = _ForwardThread() if self._overlaps() else None
+        self._pending: list[_Emit | RequestOutput] = []
         self._ids = itertools.count()
         self.num_steps = 0
         self.prompt_tokens_computed = 0
@@ -106,6 +114,16 @@ class LLMEngine:
         if self.device.type == "cpu" and kernels.MODE == "auto":
             kernels.cpu.load(sluice_home() / "build")  # the native CPU kernels; the torch twins if that fails
         self.attention_backend = kernels.attention_backend(self.device, self.dtype, layout.cache_dtype)
+
+    def _overlaps(self) -> bool:
+        """Does this engine make a step's outputs while the next step's forward runs (`async_output_proc`)?"""
+        if not self.config.async_output_proc:
+            return False
+        if self.workers is not None:
+            # NOTE: the other ranks' collectives would run on the forward thread: not tried yet
+            log.warning("async_output_proc does not run with tensor parallelism yet; outputs are made in the step")
+            return False
+        return True
 
     def _graph_sizes(self) -> list[int] | None:
         """The batch sizes decode steps are captured at in CUDA graphs (`enforce_eager=False`), or None."""
@@ -151,6 +169,7 @@ class LLMEngine:
         if self.workers is not None:
             raise RuntimeError("a tensor-parallel engine is not rebuilt over its old ranks: start the server again")
         kept = self.runner.kv_caches if keep_cache and self.config.enable_prefix_caching else None
+        self.close()  # its forward thread (a forward stuck in it keeps running, on the old pool)
         self.runner.kv_caches, self.runner.host_caches, self.runner.draft_caches = [], [], []
         self.runner.graphs = None  # its graphs read the old pool: the new runner captures its own
         if self.device.type == "cuda" and kept is None:
@@ -207,10 +226,11 @@ class LLMEngine:
         if req is None:
             return
         self.scheduler.finish(req, "abort")
+        self._aborted += self._emit_pending()  # what it made before, first (async_output_proc)
         self._aborted.append(self._output(req, [], "", None))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pending)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -223,7 +243,7 @@ class LLMEngine:
         except BaseException:
             # NOTE: aborts taken before the failure, and outputs made before it, are reported by the next step:
             # their requests have left `self.requests`, so nobody else would ever report them
-            self._aborted = outputs + self._aborted
+            self._aborted = outputs + self._aborted + self._emit_pending()
             raise
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -231,7 +251,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         copy_s = self._copy_blocks()  # the host tier's copies this batch's allocations decided, before its forward
         if not batch:
-            return outputs
+            return outputs + self._emit_pending()
         samples = batch.samples()
         spec = self.scheduler.spec
         timed = self.config.itl_slo_ms is not None or spec is not None  # the step-cost model wants this step
@@ -243,24 +263,35 @@ class LLMEngine:
             drafts = sum(len(r.draft) for r in drafting)
         rng = self._rng_state(batch)
         try:
-            tokens, logprobs = self.runner.run(batch, samples)  # returns host lists: the device is done
+            if self._forwards is None:
+                tokens, logprobs = self.runner.run(batch, samples)  # returns host lists: the device is done
+            else:
+                tokens, logprobs = self._run_overlapped(batch, samples, outputs)
         except Exception as e:  # the model failed: find whose computation fails, fail only those, keep serving
             tokens, logprobs = self._recover(batch, samples, rng, e, outputs)
         self._count_prompt_tokens(batch)
         self.scheduler.postprocess(batch)
         self.num_steps += 1
-        j = 0
+        j, made = 0, []
         for req, sampled in zip(batch.reqs, samples):
-            try:
-                if sampled:
-                    outputs.append(self._append_tokens(req, tokens[j], logprobs[j]))
-                elif not req.announced:  # first chunk of a long prompt: tell the caller it started
-                    outputs.append(self._output(req, [], "", None))
-                req.announced = True
-            except Exception as e:  # this request's output cannot be made (its detokenizer, say): it fails alone
-                outputs.append(self.fail(req.request_id, e))
+            if req.status is Status.FINISHED:  # failed while this step ran (`_emit_pending`): its tokens go
+                made.append(None)
+            else:
+                try:
+                    if sampled:
+                        made.append(self._append_tokens(req, tokens[j], logprobs[j]))
+                    elif not req.announced:  # first chunk of a long prompt: tell the caller it started
+                        made.append(self._output(req, [], "", None))
+                    req.announced = True
+                except Exception as e:  # this request's output cannot be made (its detokenizer, say): it fails alone
+                    made.append(self.fail(req.request_id, e))
             j += sampled
             req.draft = []
+        made = [m for m in made if m is not None]
+        if self._forwards is not None:
+            self._pending = made  # made while the next step runs
+        else:
+            outputs += [m if isinstance(m, RequestOutput) else self._emit_or_fail(m) for m in made]
         if timed:
             # NOTE: without the host tier's copies, which the model does not know (they scale with hits, not tokens),
             # and without the draft model's time, which speculation's own model learns
@@ -283,11 +314,23 @@ class LLMEngine:
         gens = [self.runner.sampler.generator, *(r.generator for r in batch.reqs if r.generator is not None)]
         return [(g, g.get_state()) for g in gens]
 
+    def _run_overlapped(self, batch: Batch, samples: list[bool],
+                        outputs: list[RequestOutput]) -> tuple[list[list[int]], list]:
+        """`runner.run` with the last step's outputs made while the forward runs on the forward thread: everything
+        the forward reads of the requests is read before it starts (`runner.launch`), and the sampler, which reads
+        their generators and tokens, runs after the outputs are made."""
+        forward = self._forwards.submit(self.runner.launch(batch, samples))
+        outputs += self._emit_pending()
+        return self.runner.sample(batch, samples, forward.result())
+
     def _recover(self, batch: Batch, samples: list[bool], rng: list[tuple[torch.Generator, torch.Tensor]],
                  error: Exception, outputs: list[RequestOutput]) -> tuple[list[int], list]:
         """The step failed. Retry it once (a transient failure: the retry's result stands); else run its requests
         in halves, outputs discarded, down to those that fail alone, and drop only them (`StepError`). The rest
         are not committed and run again from the next step. If no request fails alone, all of them are dropped."""
+        if any(r.status is Status.FINISHED for r in batch.reqs):  # failed while it ran (`_emit_pending`)
+            keep = [i for i, r in enumerate(batch.reqs) if r.status is not Status.FINISHED]
+            batch, samples = _subset(batch, keep), [samples[i] for i in keep]
         ids = [r.request_id for r in batch.reqs]
         if self.workers is not None:  # its ranks may be anywhere in that forward: another collective would hang
             raise DeviceError(f"a tensor-parallel step failed ({error!r}); its ranks are out of step") from error
@@ -320,9 +363,7 @@ class LLMEngine:
         for half in (rows[: len(rows) // 2], rows[len(rows) // 2 :]):
             if not half:
                 continue
-            probe = Batch()
-            for i in half:
-                probe.add(batch.reqs[i], batch.num_new_tokens[i])
+            probe = _subset(batch, half)
             _restore(rng)
             try:
                 self.runner.run(probe, [samples[i] for i in half])
@@ -345,23 +386,40 @@ class LLMEngine:
         for r, n in zip(batch.reqs, batch.num_new_tokens):
             self.prompt_tokens_computed += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
 
-    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> RequestOutput:
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> _Emit:
         """A step's new tokens for `req` (more than one when verification kept draft tokens), in order, until one
-        finishes it; one output for them all. Then the kept draft tokens' KV is committed (the step computed it)
-        and blocks that held only rejected ones go back."""
-        out = None
+        finishes it. Everything that decides what runs next happens here: token ids, stops, the finish, and then
+        the kept draft tokens' KV is committed (the step computed it) and blocks that held only rejected ones go
+        back. Its output, one for them all, is `_emit`'s (at once, or with `async_output_proc` while the next step
+        runs): only a request with stop strings needs its text here, where it decides the finish."""
+        p, e = req.params, _Emit(req)
         for i, token in enumerate(tokens):
-            o = self._append_token(req, token, logprobs[i] if logprobs else None)
-            if out is None:
-                out = o
-            else:
-                out.new_token_ids += o.new_token_ids
-                out.text_delta += o.text_delta
-                out.finished, out.finish_reason, out.rng_state = o.finished, o.finish_reason, o.rng_state
-                if o.logprobs:
-                    out.logprobs = (out.logprobs or []) + o.logprobs
-            if o.finished:
+            req.token_ids.append(token)
+            self.generation_tokens += 1
+            e.token_ids.append(token)
+            if logprobs and logprobs[i]:
+                e.logprobs.append(logprobs[i])
+            reason, matched_stop_string = None, False
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                reason = "stop"  # the stop token itself shows up in token ids, never in text
+            elif not p.stop:
+                e.text_ids.append(token)  # no stop string to find: the text can wait
+            elif req.detok.add_token(token):
+                reason, matched_stop_string = "stop", True
+            if reason is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+                reason = "length"
+            if reason is not None and not matched_stop_string:
+                if not p.stop:
+                    e.flush = True
+                elif req.detok.flush():
+                    reason = "stop"  # the last, held-back bytes completed a stop string
+            if reason is not None:
+                e.reason = reason
+                self.requests.pop(req.request_id, None)
+                self.scheduler.finish(req, reason)
                 break
+        if req.generator is not None:
+            e.rng_state = req.generator.get_state()
         if req.draft:
             self.scheduler.spec.observe(req, len(req.draft), len(tokens) - 1)
             if req.status is Status.RUNNING:
@@ -369,34 +427,41 @@ class LLMEngine:
                 self.block_manager.trim(req)
                 # the draft model computed the token before each draft token; all kept: the last one's KV it lacks
                 req.num_draft_computed = req.num_computed_tokens - (len(tokens) - 1 == len(req.draft))
-        assert out is not None
+        return e
+
+    def _emit(self, e: _Emit) -> RequestOutput:
+        """`_append_tokens`' output: the text its tokens add (for a request without stop strings, detokenized
+        now), the tokens, their logprobs."""
+        req = e.req
+        for token in e.text_ids:
+            req.detok.add_token(token)  # no stop strings: it never ends the request
+        if e.flush:
+            req.detok.flush()
+        out = self._output(req, e.token_ids, req.detok.delta(e.reason is not None), e.reason, e.logprobs or None)
+        out.finished, out.finish_reason = e.reason is not None, e.reason  # as of its step (it may have ended since)
+        out.rng_state = e.rng_state
         return out
 
-    def _append_token(self, req: Request, token: int, logprob) -> RequestOutput:
-        p = req.params
-        req.token_ids.append(token)
-        self.generation_tokens += 1
-        reason, matched_stop_string = None, False
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            reason = "stop"  # the stop token itself shows up in token ids, never in text
-        elif req.detok.add_token(token):
-            reason, matched_stop_string = "stop", True
-        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None and not matched_stop_string and req.detok.flush():
-            reason = "stop"  # the last, held-back bytes completed a stop string
-        out = self._output(req, [token], req.detok.delta(reason is not None), reason, [logprob] if logprob else None)
-        if req.generator is not None:
-            out.rng_state = req.generator.get_state()
-        if reason is not None:
-            self.requests.pop(req.request_id, None)
-            self.scheduler.finish(req, reason)
-        return out
+    def _emit_or_fail(self, e: _Emit) -> RequestOutput:
+        try:
+            return self._emit(e)
+        except Exception as error:  # this request's output cannot be made (its detokenizer, say): it fails alone
+            return self._failed(e.req, error)
+
+    def _emit_pending(self) -> list[RequestOutput]:
+        """The outputs `async_output_proc` held back (the last step's). One that cannot be made fails its request,
+        at once if it still runs: the step in flight has its metadata already, and its blocks are freed only in
+        the bookkeeping (the next step that may take them runs after this one)."""
+        pending, self._pending = self._pending, []
+        return [e if isinstance(e, RequestOutput) else self._emit_or_fail(e) for e in pending]
 
     def fail(self, request_id: str, error: BaseException) -> RequestOutput:
         """Ends a request the engine failed outside the model: aborted, its blocks freed; the output says why."""
-        log.error("request %s failed: %r; aborting it", request_id, error, exc_info=error)
-        req = self.requests.pop(request_id)
+        return self._failed(self.requests[request_id], error)
+
+    def _failed(self, req: Request, error: BaseException) -> RequestOutput:
+        log.error("request %s failed: %r; aborting it", req.request_id, error, exc_info=error)
+        self.requests.pop(req.request_id, None)
         if req.status is not Status.FINISHED:
             self.scheduler.finish(req, "abort")
         out = self._output(req, [], "", "abort")
@@ -485,7 +550,9 @@ class LLMEngine:
         return n
 
     def close(self) -> None:
-        """Stops the other ranks of a tensor-parallel engine (a no-op otherwise); the engine is unusable after."""
+        """Stops the other ranks of a tensor-parallel engine and the forward thread; the engine is unusable after."""
+        if getattr(self, "_forwards", None) is not None:  # (a failed __init__ closes before there is one)
+            self._forwards.stop()
         if self.workers is not None:
             self.workers.close()
 
@@ -548,6 +615,52 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
     if ckpt.rng_state is not None and req.generator is not None:
         req.generator.set_state(ckpt.rng_state)
     req.announced = bool(out)  # its caller saw it start (else the new engine announces it, as a new request)
+
+
+def _subset(batch: Batch, rows: list[int]) -> Batch:
+    part = Batch()
+    for i in rows:
+        part.add(batch.reqs[i], batch.num_new_tokens[i])
+    return part
+
+
+class _ForwardThread:
+    """The thread a step's forward runs on under `async_output_proc`. A daemon: a forward stuck on a hung device
+    must not hold the process at exit (the service's watchdog replaces the engine)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="sluice-forward", daemon=True).start()
+
+    def submit(self, fn: Callable[[], torch.Tensor]) -> Future:
+        done: Future = Future()
+        self._jobs.put((fn, done))
+        return done
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, done = job
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # the engine thread raises it from `result()`
+                done.set_exception(e)
+
+
+@dataclass
+class _Emit:
+    """What `LLMEngine._emit` makes a step's output of: the request's new tokens (and logprobs), those whose text
+    is still to be made (`text_ids`, then `flush`), how the step ended it, its generator after the step."""
+
+    req: Request
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    text_ids: list[int] = field(default_factory=list)
+    flush: bool = False
+    reason: str | None = None
+    rng_state: torch.Tensor | None = None
 
 
 def _restore(rng: list[tuple[torch.Generator, torch.Tensor]]) -> None:

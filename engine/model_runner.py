@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -226,26 +227,34 @@ class ModelRunner:
     def run(self, batch: Batch, samples: list[bool]) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """Computes the batch's new tokens; returns, for each request with `samples[i]`, its new tokens (one, or
         with a draft the draft tokens verification kept and one more) and their logprobs if it asked for them."""
+        return self.sample(batch, samples, self.launch(batch, samples)())
+
+    def launch(self, batch: Batch, samples: list[bool]) -> Callable[[], torch.Tensor]:
+        """Does now all of the step that reads its requests (drafts, metadata into the step's buffers); returns its
+        forward, which reads none of them: it may run on another thread while they change (the engine's
+        `async_output_proc`). The forward returns the sampled rows' logits."""
         rows = [i for i, s in enumerate(samples) if s]
         # with nothing to sample, one row still goes through the LM head: the forward fills the KV cache
         self.draft_work = (0, 0, 0.0)
         if self.draft_model is not None and any(r.draft for r in batch.reqs):
             self._draft(batch)
         if self._graphed(batch, rows):
-            logits = self.graphs.run(batch.reqs)
-        else:
-            input_ids, meta = self._prepare(batch, rows or [0])
-            if self.workers is not None:
-                self.workers.step(input_ids, meta)
-            logits = self.model.forward(input_ids, meta, self.kv_caches)
-        if not rows:
+            return self.graphs.stage(batch.reqs)
+        input_ids, meta = self._prepare(batch, rows or [0])
+        if self.workers is not None:
+            self.workers.step(input_ids, meta)
+        return lambda: self.model.forward(input_ids, meta, self.kv_caches)
+
+    def sample(self, batch: Batch, samples: list[bool], logits: torch.Tensor
+               ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+        """`run`'s result from the forward's logits."""
+        reqs = [r for r, s in zip(batch.reqs, samples) if s]
+        if not reqs:
             return [], []
-        reqs = [batch.reqs[i] for i in rows]
         if any(r.draft for r in reqs):
             return self.sampler.verify(logits, reqs)
         tokens, logprobs = self.sampler(logits, reqs)
         return [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs]
-
 
     def _graphed(self, batch: Batch, rows: list[int]) -> bool:
         """Is this a step a graph replays: one token of each request, each sampled (so no draft), within the

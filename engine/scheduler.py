@@ -266,9 +266,11 @@ class Scheduler:
     # -- after the step --------------------------------------------------------------------
 
     def postprocess(self, batch: Batch) -> None:
-        """Commits the step's tokens but draft tokens (the engine commits those verification kept)."""
+        """Commits the step's tokens but draft tokens (the engine commits those verification kept); not for a
+        request that ended while the step ran (the engine's `async_output_proc`)."""
         for req, n in zip(batch.reqs, batch.num_new_tokens):
-            self.bm.commit(req, n - len(req.draft))
+            if req.status is not Status.FINISHED:
+                self.bm.commit(req, n - len(req.draft))
 
     def finish(self, req: Request, reason: str) -> None:
         if req.status is Status.RUNNING:

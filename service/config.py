@@ -50,6 +50,7 @@ class ServerConfig:
     speculative_disable_by_batch_size: int | None = None
     speculative_adaptive: bool = True
     enforce_eager: bool = True
+    async_output_proc: bool = False
     prefix_store: bool = True
     pin_system_prompt: tuple[str, ...] = ()
     # HTTP / WebSocket surface
@@ -98,6 +99,7 @@ class ServerConfig:
         kwargs["prefix_store"] = self.prefix_store
         kwargs["speculative_adaptive"] = self.speculative_adaptive
         kwargs["enforce_eager"] = self.enforce_eager
+        kwargs["async_output_proc"] = self.async_output_proc
         return kwargs
 
 
@@ -201,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs captured at "
                         "start-up per batch-size bucket, on CUDA with one rank (default: on, every step eager, until graphs "
                         "have been measured on a GPU)")
+    e.add_argument("--async-output-proc", action=argparse.BooleanOptionalAction, default=d.async_output_proc,
+                   help="make each step's outputs (text, stop strings, messages) while the next step's forward runs on "
+                        "a thread of its own: off the step's critical path, reported one step later (default: off)")
     e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
                    help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
                         "start instead of computing it (default: on)")

@@ -132,7 +132,8 @@ def test_kvquant_reports_accuracy_kernels_and_capacity(tiny_model_dir, tmp_path)
 def test_host_reports_each_phase_and_the_sorted_baseline(tiny_model_dir, tmp_path) -> None:
     data = json.loads((quick(["host"], tiny_model_dir, tmp_path) / "host.json").read_text())
     rows = {r["system"]: r for r in data["rows"]}
-    assert set(rows) == {f"batch {b} {m}" for b in (1, 8) for m in ("greedy", "top-p", "top-p (sorted)")}
+    assert set(rows) == {f"batch {b} {m}" for b in (1, 8)
+                         for m in ("greedy", "greedy (async outputs)", "top-p", "top-p (sorted)")}
     for r in rows.values():
         assert r["step_ms"] >= r["forward_ms"] > 0 and r["host_ms"] > 0 and 0 < r["host_share"] < 1
         # each a median of per-step values no larger than the step's (a sum of medians may exceed the median step)

@@ -29,13 +29,13 @@ def graphed(eng: LLMEngine) -> dict[tuple[int, int], int]:
     r.graphs = g = DecodeGraphs(eng.model, r.kv_caches, capture_sizes(eng.config.max_num_seqs), r.max_blocks_per_seq,
                                 r.block_size, r.device, capture=False)
     used: dict[tuple[int, int], int] = {}
-    run = g.run
+    stage = g.stage
 
     def counted(reqs):
         key = (len(reqs), g.bucket(len(reqs)))
         used[key] = used.get(key, 0) + 1
-        return run(reqs)
-    g.run = counted
+        return stage(reqs)
+    g.stage = counted
     return used
 
 

@@ -66,8 +66,8 @@ for graphs in (False, True):
         r.graphs = DecodeGraphs(eng.model, r.kv_caches, capture_sizes(4), r.max_blocks_per_seq, r.block_size,
                                 r.device, capture=False)
         runs = []
-        run = r.graphs.run
-        r.graphs.run = lambda reqs: runs.append(len(reqs)) or run(reqs)
+        stage = r.graphs.stage
+        r.graphs.stage = lambda reqs: runs.append(len(reqs)) or stage(reqs)
     toks.append([o.token_ids for o in eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0,
                                                                             ignore_eos=True) for m in (4, 2, 3)])])
 print(json.dumps({"eager": toks[0], "graphs": toks[1], "runs": runs}))

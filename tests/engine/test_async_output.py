@@ -1,0 +1,123 @@
+"""`async_output_proc`: a step's outputs are made while the next step's forward runs (on the forward thread), one
+step later than without it, and are otherwise the same: every request's stream of outputs (tokens, text deltas,
+finishes, logprobs, generator states) equals the plain loop's, under every policy, with preemption, speculation,
+stop strings, seeds, penalties, aborts and a request that fails while the next step runs."""
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.engine.test_spec import _prompts
+
+SETUPS = {
+    "mixed": {},
+    "prefill_first": {"scheduling": "prefill_first"},
+    "static": {"scheduling": "static", "max_num_seqs": 3},
+    "chunked-preempting": {"max_num_batched_tokens": 32, "num_kv_blocks": 24, "block_size": 8},
+    "ngram": {"speculative": "ngram", "speculative_adaptive": False, "speculative_disable_by_batch_size": 64},
+}
+
+
+def params() -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=25, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, stop=["e", " t"], ignore_eos=True),  # stop strings
+        SamplingParams(max_tokens=33, temperature=0.7, seed=3, repetition_penalty=1.3, presence_penalty=0.5,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0),
+    ]
+
+
+def streams(engine: LLMEngine, prompts, ps, abort_at: dict[int, str] | None = None) -> dict[str, list[tuple]]:
+    """Every request's outputs in order, stepping until all finish; `abort_at`: step call -> request to abort
+    before it."""
+    for i, (p, sp) in enumerate(zip(prompts, ps)):
+        engine.add_request(f"r{i}", p, sp)
+    got: dict[str, list[tuple]] = {}
+    calls = 0
+    while engine.has_unfinished():
+        if abort_at and calls in abort_at:
+            engine.abort(abort_at[calls])
+        calls += 1
+        for o in engine.step():
+            rng = None if o.rng_state is None else o.rng_state.tolist()
+            lps = None if not o.logprobs else [(lp.token_id, round(lp.logprob, 4)) for lp in o.logprobs]
+            got.setdefault(o.request_id, []).append(
+                (tuple(o.new_token_ids), o.text_delta, o.finished, o.finish_reason, lps, rng, o.error))
+        assert calls < 2000
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return got
+
+
+def engine(model, overlap: bool, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), dtype="float32", device="cpu",
+                                  **{"num_kv_blocks": 128, **kw}, async_output_proc=overlap))
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_same_streams_as_the_plain_loop(tiny_model_dir, setup):
+    prompts = _prompts()
+    plain = engine(tiny_model_dir, False, **SETUPS[setup])
+    overlapped = engine(tiny_model_dir, True, **SETUPS[setup])
+    assert overlapped._forwards is not None and plain._forwards is None
+    for _ in range(2):  # the second round meets the first's prompts in the prefix cache
+        a, b = streams(plain, prompts, params()), streams(overlapped, prompts, params())
+        assert a == b
+        assert all(s[-1][2] for s in a.values()) and any(s[-1][3] == "stop" for s in a.values())
+    if setup == "chunked-preempting":
+        assert overlapped.stats()["num_preemptions"] > 0
+    if setup == "ngram":
+        assert overlapped.stats()["spec_accepted_tokens"] > 0
+    overlapped.close()
+
+
+def test_outputs_come_one_step_later(tiny_model_dir):
+    """The first token is sampled by the first step and reported by the second; nothing is lost at the end."""
+    eng = engine(tiny_model_dir, True)
+    eng.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert eng.step() == []  # the prefill's token is held back, to be made while the next step's forward runs
+    first = eng.step()
+    assert [o.new_token_ids for o in first] == [[eng.requests["a"].token_ids[4]]]
+    rest = []
+    while eng.has_unfinished():
+        rest += eng.step()
+    assert [len(o.new_token_ids) for o in rest] == [1, 1] and rest[-1].finish_reason == "length"
+
+
+def test_abort_reports_what_was_made_before_it(tiny_model_dir):
+    prompts, ps = _prompts()[:3], params()[:3]
+    a = streams(engine(tiny_model_dir, False), prompts, ps, abort_at={5: "r0", 9: "r1"})
+    b = streams(engine(tiny_model_dir, True), prompts, ps, abort_at={5: "r0", 9: "r1"})
+    assert a["r0"][-1][3] == "abort" and a["r1"][-1][3] == "abort"
+    assert a == b
+
+
+def test_a_request_whose_output_fails_while_the_next_step_runs_fails_alone(tiny_model_dir):
+    """Its detokenizer raises on its 6th token: made while the next step, which holds it, runs. It ends with an
+    error, its blocks go back, its tokens of the step in flight are dropped, and the others go on as without it."""
+    def run(overlap: bool) -> dict[str, list[tuple]]:
+        eng = engine(tiny_model_dir, overlap)
+        prompts, ps = _prompts()[:3], params()[:1] * 3
+        for i, (p, sp) in enumerate(zip(prompts, ps)):
+            eng.add_request(f"r{i}", p, sp)
+        detok, calls = eng.requests["r1"].detok, []
+
+        def broken(token):
+            calls.append(token)
+            if len(calls) == 6:
+                raise RuntimeError("detokenizer broke")
+            return type(detok).add_token(detok, token)
+        detok.add_token = broken
+        got: dict[str, list[tuple]] = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).append((tuple(o.new_token_ids), o.text_delta, o.finish_reason, o.error))
+        eng.check_integrity()
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        return got
+
+    a, b = run(False), run(True)
+    assert a["r1"][-1][2:] == ("abort", "RuntimeError: detokenizer broke") and len(a["r1"]) == 6
+    assert a == b
