@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tests.engine.test_spec import _prompts
+from tests.engine.test_spec import _prompts, draft_dir  # noqa: F401  (a fixture)
 
 SETUPS = {
     "mixed": {},
@@ -15,6 +15,7 @@ SETUPS = {
     "static": {"scheduling": "static", "max_num_seqs": 3},
     "chunked-preempting": {"max_num_batched_tokens": 32, "num_kv_blocks": 24, "block_size": 8},
     "ngram": {"speculative": "ngram", "speculative_adaptive": False, "speculative_disable_by_batch_size": 64},
+    "draft": {"speculative": "draft:", "speculative_adaptive": False, "speculative_disable_by_batch_size": 64},
 }
 
 
@@ -57,10 +58,13 @@ def engine(model, overlap: bool, **kw) -> LLMEngine:
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_same_streams_as_the_plain_loop(tiny_model_dir, setup):
+def test_same_streams_as_the_plain_loop(tiny_model_dir, draft_dir, setup):
     prompts = _prompts()
-    plain = engine(tiny_model_dir, False, **SETUPS[setup])
-    overlapped = engine(tiny_model_dir, True, **SETUPS[setup])
+    config = dict(SETUPS[setup])
+    if setup == "draft":
+        config["speculative"] = f"draft:{draft_dir}"
+    plain = engine(tiny_model_dir, False, **config)
+    overlapped = engine(tiny_model_dir, True, **config)
     assert overlapped._forwards is not None and plain._forwards is None
     for _ in range(2):  # the second round meets the first's prompts in the prefix cache
         a, b = streams(plain, prompts, params()), streams(overlapped, prompts, params())
@@ -68,7 +72,7 @@ def test_same_streams_as_the_plain_loop(tiny_model_dir, setup):
         assert all(s[-1][2] for s in a.values()) and any(s[-1][3] == "stop" for s in a.values())
     if setup == "chunked-preempting":
         assert overlapped.stats()["num_preemptions"] > 0
-    if setup == "ngram":
+    if setup in ("ngram", "draft"):
         assert overlapped.stats()["spec_accepted_tokens"] > 0
     overlapped.close()
 
