@@ -10,6 +10,7 @@ import logging
 import time
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         # async_output_proc: the thread forwards run on, and the last step's outputs, made while the next one runs
         self._forwards = _ForwardThread() if self._overlaps() else None
+        if self._forwards is not None:  # an engine let go without close() stops its thread too
+            weakref.finalize(self, self._forwards.stop)
         self._pending: list[_Emit | RequestOutput] = []
         self._ids = itertools.count()
         self.num_steps = 0
@@ -272,26 +275,14 @@ class LLMEngine:
         self._count_prompt_tokens(batch)
         self.scheduler.postprocess(batch)
         self.num_steps += 1
-        j, made = 0, []
-        for req, sampled in zip(batch.reqs, samples):
-            if req.status is Status.FINISHED:  # failed while this step ran (`_emit_pending`): its tokens go
-                made.append(None)
+        made: list[_Emit | RequestOutput | None] = []
+        try:
+            self._commit(batch, samples, tokens, logprobs, made)
+        finally:  # what was committed is reported, whatever fails after it
+            if self._forwards is not None:
+                self._pending = made  # made while the next step runs
             else:
-                try:
-                    if sampled:
-                        made.append(self._append_tokens(req, tokens[j], logprobs[j]))
-                    elif not req.announced:  # first chunk of a long prompt: tell the caller it started
-                        made.append(self._output(req, [], "", None))
-                    req.announced = True
-                except Exception as e:  # this request's output cannot be made (its detokenizer, say): it fails alone
-                    made.append(self.fail(req.request_id, e))
-            j += sampled
-            req.draft = []
-        made = [m for m in made if m is not None]
-        if self._forwards is not None:
-            self._pending = made  # made while the next step runs
-        else:
-            outputs += [m if isinstance(m, RequestOutput) else self._emit_or_fail(m) for m in made]
+                outputs += [m if isinstance(m, RequestOutput) else self._emit_or_fail(m) for m in made]
         if timed:
             # NOTE: without the host tier's copies, which the model does not know (they scale with hits, not tokens),
             # and without the draft model's time, which speculation's own model learns
@@ -314,21 +305,60 @@ class LLMEngine:
         gens = [self.runner.sampler.generator, *(r.generator for r in batch.reqs if r.generator is not None)]
         return [(g, g.get_state()) for g in gens]
 
+    def _commit(self, batch: Batch, samples: list[bool], tokens: list, logprobs: list, made: list) -> None:
+        """The step's results into its requests, each request's output (or what makes it: `_Emit`) into `made`."""
+        j = 0
+        for req, sampled in zip(batch.reqs, samples):
+            if req.status is not Status.FINISHED:  # (else it failed while this step ran: its tokens go)
+                try:
+                    if sampled:
+                        made.append(self._append_tokens(req, tokens[j], logprobs[j]))
+                    elif not req.announced:  # first chunk of a long prompt: tell the caller it started
+                        made.append(self._output(req, [], "", None))
+                    req.announced = True
+                except Exception as e:  # this request's output cannot be made (its detokenizer, say): it fails alone
+                    made.append(self.fail(req.request_id, e))
+            j += sampled
+            req.draft = []
+
     def _run_overlapped(self, batch: Batch, samples: list[bool],
                         outputs: list[RequestOutput]) -> tuple[list[list[int]], list]:
         """`runner.run` with the last step's outputs made while the forward runs on the forward thread: everything
         the forward reads of the requests is read before it starts (`runner.launch`), and the sampler, which reads
         their generators and tokens, runs after the outputs are made."""
-        forward = self._forwards.submit(self.runner.launch(batch, samples))
-        outputs += self._emit_pending()
-        return self.runner.sample(batch, samples, forward.result())
+        try:
+            forward = self._forwards.submit(self.runner.launch(batch, samples))
+        except BaseException:
+            outputs += self._emit_pending()  # the last step's outputs, made anyway: a retry will hold back its own
+            raise
+        try:
+            outputs += self._emit_pending()
+        finally:
+            forward.exception()  # NOTE: whatever happened here, the forward is done before anything else runs
+        logits = forward.result()
+        sampled = [i for i, s in enumerate(samples) if s]
+        if gone := _drop_finished(batch, samples):
+            # failed while it ran: not sampled (an unseeded draw would move every other request's); its logits rows
+            # (one, and one per draft token) go
+            rows, start = [], 0
+            for i in sampled:
+                n = 1 + len(batch.reqs[i].draft)
+                if i not in gone:
+                    rows += range(start, start + n)
+                start += n
+            logits = logits[rows]
+        # NOTE: on the forward thread too: torch's CPU ops keep a pool of OpenMP threads per calling thread, and two
+        # pools (the engine thread's, spinning after its last op) slowed the forward on two cores by up to 30%
+        return self._forwards.submit(lambda: self.runner.sample(batch, samples, logits)).result()
 
     def _recover(self, batch: Batch, samples: list[bool], rng: list[tuple[torch.Generator, torch.Tensor]],
                  error: Exception, outputs: list[RequestOutput]) -> tuple[list[int], list]:
         """The step failed. Retry it once (a transient failure: the retry's result stands); else run its requests
         in halves, outputs discarded, down to those that fail alone, and drop only them (`StepError`). The rest
         are not committed and run again from the next step. If no request fails alone, all of them are dropped."""
-        if any(r.status is Status.FINISHED for r in batch.reqs):  # failed while it ran (`_emit_pending`)
+        if _drop_finished(batch, samples) or any(r.status is Status.FINISHED for r in batch.reqs):
+            # failed while it ran (`_emit_pending`): retried without it; the step's loop skips it (and, with its
+            # sample cleared, its row of the result)
             keep = [i for i, r in enumerate(batch.reqs) if r.status is not Status.FINISHED]
             batch, samples = _subset(batch, keep), [samples[i] for i in keep]
         ids = [r.request_id for r in batch.reqs]
@@ -384,6 +414,8 @@ class LLMEngine:
 
     def _count_prompt_tokens(self, batch: Batch) -> None:
         for r, n in zip(batch.reqs, batch.num_new_tokens):
+            if r.status is Status.FINISHED:  # failed while its step ran (its blocks, and count, are gone)
+                continue
             self.prompt_tokens_computed += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
 
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> _Emit:
@@ -456,7 +488,10 @@ class LLMEngine:
         return [e if isinstance(e, RequestOutput) else self._emit_or_fail(e) for e in pending]
 
     def fail(self, request_id: str, error: BaseException) -> RequestOutput:
-        """Ends a request the engine failed outside the model: aborted, its blocks freed; the output says why."""
+        """Ends a request the engine failed outside the model: aborted, its blocks freed; the output says why.
+        Its output held back for the next step (`async_output_proc`) goes: the plain loop would not have run that
+        step for it."""
+        self._pending = [e for e in self._pending if (e.req if isinstance(e, _Emit) else e).request_id != request_id]
         return self._failed(self.requests[request_id], error)
 
     def _failed(self, req: Request, error: BaseException) -> RequestOutput:
@@ -617,6 +652,15 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
     req.announced = bool(out)  # its caller saw it start (else the new engine announces it, as a new request)
 
 
+def _drop_finished(batch: Batch, samples: list[bool]) -> set[int]:
+    """Clears, in place, the sample of each request of `batch` that finished while its step ran (a request that
+    failed in `LLMEngine._emit_pending`); returns the rows it cleared."""
+    gone = {i for i, (r, s) in enumerate(zip(batch.reqs, samples)) if s and r.status is Status.FINISHED}
+    for i in gone:
+        samples[i] = False
+    return gone
+
+
 def _subset(batch: Batch, rows: list[int]) -> Batch:
     part = Batch()
     for i in rows:
@@ -630,7 +674,8 @@ class _ForwardThread:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="sluice-forward", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="sluice-forward", daemon=True)
+        self._thread.start()
 
     def submit(self, fn: Callable[[], torch.Tensor]) -> Future:
         done: Future = Future()
@@ -638,7 +683,11 @@ class _ForwardThread:
         return done
 
     def stop(self) -> None:
+        """Ends the thread once its forward (if any) returns; waits for that a while. NOTE: a thread still ending
+        while the interpreter shuts down aborts the process (torch's thread state), so the wait is not optional."""
         self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -647,6 +696,7 @@ class _ForwardThread:
                 done.set_result(fn())
             except BaseException as e:  # the engine thread raises it from `result()`
                 done.set_exception(e)
+            del job, fn, done  # waiting for the next, it holds nothing of this one (the runner, its pool, logits)
 
 
 @dataclass

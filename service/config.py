@@ -204,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "start-up per batch-size bucket, on CUDA with one rank (default: on, every step eager, until graphs "
                         "have been measured on a GPU)")
     e.add_argument("--async-output-proc", action=argparse.BooleanOptionalAction, default=d.async_output_proc,
-                   help="make each step's outputs (text, stop strings, messages) while the next step's forward runs on "
-                        "a thread of its own: off the step's critical path, reported one step later (default: off)")
+                   help="make each step's outputs (the text of requests without stop strings, the output messages) "
+                        "while the next step's forward runs on a thread of its own: off the step's critical path, "
+                        "reported one step later (default: off)")
     e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
                    help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
                         "start instead of computing it (default: on)")

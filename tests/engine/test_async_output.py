@@ -98,30 +98,81 @@ def test_abort_reports_what_was_made_before_it(tiny_model_dir):
     assert a == b
 
 
+def _break_detok(eng: LLMEngine, rid: str, at: int) -> None:
+    """`rid`'s detokenizer raises on its `at`-th token."""
+    detok, calls = eng.requests[rid].detok, []
+
+    def broken(token):
+        calls.append(token)
+        if len(calls) == at:
+            raise RuntimeError("detokenizer broke")
+        return type(detok).add_token(detok, token)
+    detok.add_token = broken
+
+
+def _run(eng: LLMEngine, ps: list[SamplingParams], setup=None) -> tuple[dict[str, list[tuple]], list[str]]:
+    for i, (p, sp) in enumerate(zip(_prompts()[:len(ps)], ps)):
+        eng.add_request(f"r{i}", p, sp)
+    if setup:
+        setup(eng)
+    got: dict[str, list[tuple]] = {}
+    errors = []
+    while eng.has_unfinished():
+        try:
+            outs = eng.step()
+        except Exception as e:
+            errors.append(repr(e))
+            continue
+        for o in outs:
+            got.setdefault(o.request_id, []).append((tuple(o.new_token_ids), o.text_delta, o.finish_reason, o.error))
+    eng.check_integrity()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    return got, errors
+
+
+RANDOM = SamplingParams(max_tokens=30, temperature=0.9, ignore_eos=True)  # unseeded: the engine's one generator
+GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
 def test_a_request_whose_output_fails_while_the_next_step_runs_fails_alone(tiny_model_dir):
-    """Its detokenizer raises on its 6th token: made while the next step, which holds it, runs. It ends with an
-    error, its blocks go back, its tokens of the step in flight are dropped, and the others go on as without it."""
-    def run(overlap: bool) -> dict[str, list[tuple]]:
-        eng = engine(tiny_model_dir, overlap)
-        prompts, ps = _prompts()[:3], params()[:1] * 3
-        for i, (p, sp) in enumerate(zip(prompts, ps)):
-            eng.add_request(f"r{i}", p, sp)
-        detok, calls = eng.requests["r1"].detok, []
-
-        def broken(token):
-            calls.append(token)
-            if len(calls) == 6:
-                raise RuntimeError("detokenizer broke")
-            return type(detok).add_token(detok, token)
-        detok.add_token = broken
-        got: dict[str, list[tuple]] = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                got.setdefault(o.request_id, []).append((tuple(o.new_token_ids), o.text_delta, o.finish_reason, o.error))
-        eng.check_integrity()
-        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-        return got
-
-    a, b = run(False), run(True)
-    assert a["r1"][-1][2:] == ("abort", "RuntimeError: detokenizer broke") and len(a["r1"]) == 6
+    """r1's detokenizer raises on its 6th token: made while the next step, which holds it, runs. It ends with an
+    error, its blocks go back, it is not sampled in the step in flight (so the others' random draws stay where the
+    plain loop has them), and the others go on as without it."""
+    a, b = (_run(engine(tiny_model_dir, overlap), [RANDOM, RANDOM, RANDOM], lambda e: _break_detok(e, "r1", 6))
+            for overlap in (False, True))
+    assert a[0]["r1"][-1][2:] == ("abort", "RuntimeError: detokenizer broke") and len(a[0]["r1"]) == 6
     assert a == b
+
+
+def _failing_launch(eng: LLMEngine, at: int, when: str) -> None:
+    """The `at`-th step's launch raises ("launch") or its forward does ("forward"), once: a transient failure."""
+    launch, n = eng.runner.launch, [0]
+
+    def flaky(batch, samples):
+        n[0] += 1
+        if n[0] == at and when == "launch":
+            raise RuntimeError("transient")
+        forward = launch(batch, samples)
+        if n[0] == at:
+            def failing():
+                raise RuntimeError("transient")
+            return failing
+        return forward
+    eng.runner.launch = flaky
+
+
+@pytest.mark.parametrize("when", ["launch", "forward"])
+def test_a_retried_step_loses_no_output(tiny_model_dir, when):
+    """A step whose launch or forward fails once is retried (`_recover`): the outputs held back from the step before
+    still come out, in order; with a request failing in them at the same time, the retry leaves it out and every
+    other request keeps its own tokens."""
+    for extra in (None, "r1"):
+        runs = []
+        for overlap in (False, True):
+            def setup(eng, overlap=overlap):
+                _failing_launch(eng, 5, when)
+                if extra:  # fails while step 5 runs (async), or in step 4's outputs (plain): the same for a client
+                    _break_detok(eng, extra, 4 if overlap else 4)
+            runs.append(_run(engine(tiny_model_dir, overlap), [GREEDY, RANDOM, GREEDY], setup))
+        assert runs[0] == runs[1]
+        assert runs[1][1] == [] and all(s[-1][2] in ("length", "abort") for s in runs[1][0].values())
