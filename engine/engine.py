@@ -39,12 +39,15 @@ log = logging.getLogger("sluice.engine")
 
 
 class StepError(RuntimeError):
-    """A step failed; its requests were aborted and freed (they are not reported again)."""
+    """A step failed; its requests were aborted and freed (they are not reported again). `outputs`: what came out
+    for them before it failed, in this step (`async_output_proc` makes the last step's outputs then): report them
+    before the failure."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException):
+    def __init__(self, request_ids: list[str], cause: BaseException, outputs: list[RequestOutput] | None = None):
         super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
         self.request_ids = request_ids
         self.cause = cause
+        self.outputs = outputs or []
 
 
 class DeviceError(RuntimeError):
@@ -383,8 +386,9 @@ class LLMEngine:
             if r.draft and r.status is Status.RUNNING:
                 r.draft = []
                 self.block_manager.trim(r)
-        self._aborted = outputs + self._aborted  # aborts taken for this step are reported by the next one
-        raise StepError(bad, error) from error
+        # aborts taken for this step, and other requests' outputs made in it, are reported by the next one
+        self._aborted = [o for o in outputs if o.request_id not in bad] + self._aborted
+        raise StepError(bad, error, [o for o in outputs if o.request_id in bad]) from error
 
     def _culprits(self, batch: Batch, samples: list[bool], rows: list[int],
                   rng: list[tuple[torch.Generator, torch.Tensor]]) -> list[Request]:

@@ -228,7 +228,7 @@ class EngineThread:
             log.warning("step failed for requests %s: %s", e.request_ids, e)
             failures.extend(Failure(rid, "internal", "the model failed while computing this request")
                             for rid in e.request_ids)
-            return []
+            return e.outputs  # theirs from before the failure (delivered before the failures are)
         finally:
             self.busy_since = None
 

@@ -176,3 +176,42 @@ def test_a_retried_step_loses_no_output(tiny_model_dir, when):
             runs.append(_run(engine(tiny_model_dir, overlap), [GREEDY, RANDOM, GREEDY], setup))
         assert runs[0] == runs[1]
         assert runs[1][1] == [] and all(s[-1][2] in ("length", "abort") for s in runs[1][0].values())
+
+
+def test_a_request_that_fails_alone_gets_its_last_output_with_its_error(tiny_model_dir):
+    """r1's computation fails from the 5th step on (`StepError`, after retry and halving): what the plain loop
+    reported for it before, async_output_proc reports too, the last of it with the error (`StepError.outputs`),
+    and the others' streams are the same."""
+    from engine import StepError
+
+    def run(overlap: bool):
+        eng = engine(tiny_model_dir, overlap)
+        launch, n = eng.runner.launch, [0]
+
+        def poisoned(batch, samples):
+            n[0] += 1
+            forward = launch(batch, samples)
+            if n[0] >= 5 and any(r.request_id == "r1" for r in batch.reqs):
+                def failing():
+                    raise RuntimeError("r1 poisons the forward")
+                return failing
+            return forward
+        eng.runner.launch = poisoned
+        for i, p in enumerate(_prompts()[:3]):
+            eng.add_request(f"r{i}", p, GREEDY)
+        got: dict[str, list[int]] = {}
+        errors = []
+        while eng.has_unfinished():
+            try:
+                outs = eng.step()
+            except StepError as e:
+                errors.append(e.request_ids)
+                outs = e.outputs
+            for o in outs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        eng.check_integrity()
+        return got, errors
+
+    plain, overlapped = run(False), run(True)
+    assert plain[1] == overlapped[1] == [["r1"]]
+    assert plain[0] == overlapped[0] and 0 < len(plain[0]["r1"]) < 30
