@@ -175,7 +175,8 @@ class LLMEngine:
         if self.workers is not None:
             raise RuntimeError("a tensor-parallel engine is not rebuilt over its old ranks: start the server again")
         kept = self.runner.kv_caches if keep_cache and self.config.enable_prefix_caching else None
-        self.close()  # its forward thread (a forward stuck in it keeps running, on the old pool)
+        if self._forwards is not None:  # its forward thread; one stuck in a forward keeps running, on the old pool
+            self._forwards.stop(wait=False)
         self.runner.kv_caches, self.runner.host_caches, self.runner.draft_caches = [], [], []
         self.runner.graphs = None  # its graphs read the old pool: the new runner captures its own
         if self.device.type == "cuda" and kept is None:
@@ -232,8 +233,10 @@ class LLMEngine:
         if req is None:
             return
         self.scheduler.finish(req, "abort")
-        self._aborted += self._emit_pending()  # what it made before, first (async_output_proc)
-        self._aborted.append(self._output(req, [], "", None))
+        made = self._emit_pending()  # what it made before, first (async_output_proc)
+        self._aborted += made
+        if not any(o.request_id == request_id and o.finished for o in made):  # (its output failed it already)
+            self._aborted.append(self._output(req, [], "", None))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pending)
@@ -363,6 +366,8 @@ class LLMEngine:
             # failed while it ran (`_emit_pending`): retried without it; the step's loop skips it (and, with its
             # sample cleared, its row of the result)
             keep = [i for i, r in enumerate(batch.reqs) if r.status is not Status.FINISHED]
+            if not keep:  # nothing of it is left to run
+                return [], []
             batch, samples = _subset(batch, keep), [samples[i] for i in keep]
         ids = [r.request_id for r in batch.reqs]
         if self.workers is not None:  # its ranks may be anywhere in that forward: another collective would hang
@@ -686,11 +691,12 @@ class _ForwardThread:
         self._jobs.put((fn, done))
         return done
 
-    def stop(self) -> None:
-        """Ends the thread once its forward (if any) returns; waits for that a while. NOTE: a thread still ending
-        while the interpreter shuts down aborts the process (torch's thread state), so the wait is not optional."""
+    def stop(self, wait: bool = True) -> None:
+        """Ends the thread once its forward (if any) returns; with `wait`, waits for that a while. NOTE: a thread
+        still ending while the interpreter shuts down aborts the process (torch's thread state): `close()` and a
+        let-go engine wait; `rebuilt()` does not (a forward stuck on a hung device must not hold the new engine)."""
         self._jobs.put(None)
-        if self._thread is not threading.current_thread():
+        if wait and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
     def _loop(self) -> None:

@@ -172,7 +172,7 @@ def test_a_retried_step_loses_no_output(tiny_model_dir, when):
             def setup(eng, overlap=overlap):
                 _failing_launch(eng, 5, when)
                 if extra:  # fails while step 5 runs (async), or in step 4's outputs (plain): the same for a client
-                    _break_detok(eng, extra, 4 if overlap else 4)
+                    _break_detok(eng, extra, 4)
             runs.append(_run(engine(tiny_model_dir, overlap), [GREEDY, RANDOM, GREEDY], setup))
         assert runs[0] == runs[1]
         assert runs[1][1] == [] and all(s[-1][2] in ("length", "abort") for s in runs[1][0].values())
@@ -215,3 +215,24 @@ def test_a_request_that_fails_alone_gets_its_last_output_with_its_error(tiny_mod
     plain, overlapped = run(False), run(True)
     assert plain[1] == overlapped[1] == [["r1"]]
     assert plain[0] == overlapped[0] and 0 < len(plain[0]["r1"]) < 30
+
+
+def test_abort_of_a_request_whose_held_back_output_fails(tiny_model_dir):
+    """Its output fails as `abort()` makes it: one finished output (the failure's), not a second abort after it."""
+    eng = engine(tiny_model_dir, True)
+    eng.add_request("r0", _prompts()[0], GREEDY)
+    _break_detok(eng, "r0", 3)
+    outs = [eng.step() for _ in range(3)]  # the 3rd token is held back after the third step
+    eng.abort("r0")
+    outs.append(eng.step())
+    finished = [o for step in outs for o in step if o.finished]
+    assert [(o.finish_reason, o.error) for o in finished] == [("abort", "RuntimeError: detokenizer broke")]
+    assert not eng.has_unfinished()
+
+
+def test_a_retried_step_whose_only_request_failed_meanwhile(tiny_model_dir):
+    """The only request fails while its step runs, and that forward fails once: nothing is left to retry, and no
+    `StepError` names nobody."""
+    eng = engine(tiny_model_dir, True)
+    got, errors = _run(eng, [GREEDY], lambda e: (_failing_launch(e, 4, "forward"), _break_detok(e, "r0", 3)))
+    assert errors == [] and got["r0"][-1][2:] == ("abort", "RuntimeError: detokenizer broke")
