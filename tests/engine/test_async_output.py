@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tests.engine.test_spec import _prompts, draft_dir  # noqa: F401  (a fixture)
+from tests.engine.test_spec import _prompts
 
 SETUPS = {
     "mixed": {},

@@ -7,11 +7,9 @@ import math
 import random
 from collections import Counter
 
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.request import Request
@@ -196,19 +194,6 @@ def _run(model_dir, setup: dict, prompts, params, **spec):
         eng.check_integrity()
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     return outs, eng.stats()
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tiny_model_dir, tmp_path_factory):
-    """A draft model that agrees with the tiny model often, not always: its weights, one layer's MLP perturbed."""
-    out = tmp_path_factory.mktemp("draft") / "draft"
-    shutil.copytree(tiny_model_dir, out)
-    w = load_file(str(out / "model.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    name = "model.layers.3.mlp.down_proj.weight"
-    w[name] = w[name] + torch.randn(w[name].shape, generator=g) * w[name].std() * 0.8
-    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 CASES = [("ngram", s) for s in SETUPS] + [("draft", s) for s in ("mixed", "static", "mixed-chunked", "mixed-preempting")]
