@@ -281,7 +281,7 @@ class LLMEngine:
         self._count_prompt_tokens(batch)
         self.scheduler.postprocess(batch)
         self.num_steps += 1
-        made: list[_Emit | RequestOutput | None] = []
+        made: list[_Emit | RequestOutput] = []
         try:
             self._commit(batch, samples, tokens, logprobs, made)
         finally:  # what was committed is reported, whatever fails after it
@@ -353,8 +353,8 @@ class LLMEngine:
                     rows += range(start, start + n)
                 start += n
             logits = logits[rows]
-        # NOTE: on the forward thread too: torch's CPU ops keep a pool of OpenMP threads per calling thread, and two
-        # pools (the engine thread's, spinning after its last op) slowed the forward on two cores by up to 30%
+        # NOTE: on the forward thread too: torch's CPU ops keep a pool of OpenMP threads per calling thread, and with
+        # the sampler on the engine thread (a second pool) the forward ran 28% slower at batch 64 on two cores
         return self._forwards.submit(lambda: self.runner.sample(batch, samples, logits)).result()
 
     def _recover(self, batch: Batch, samples: list[bool], rng: list[tuple[torch.Generator, torch.Tensor]],
@@ -362,10 +362,9 @@ class LLMEngine:
         """The step failed. Retry it once (a transient failure: the retry's result stands); else run its requests
         in halves, outputs discarded, down to those that fail alone, and drop only them (`StepError`). The rest
         are not committed and run again from the next step. If no request fails alone, all of them are dropped."""
-        if _drop_finished(batch, samples) or any(r.status is Status.FINISHED for r in batch.reqs):
-            # failed while it ran (`_emit_pending`): retried without it; the step's loop skips it (and, with its
-            # sample cleared, its row of the result)
-            keep = [i for i, r in enumerate(batch.reqs) if r.status is not Status.FINISHED]
+        _drop_finished(batch, samples)  # in place: the step's loop then skips their rows of the result
+        keep = [i for i, r in enumerate(batch.reqs) if r.status is not Status.FINISHED]
+        if len(keep) < len(batch):  # some failed while it ran (`_emit_pending`): retried without them
             if not keep:  # nothing of it is left to run
                 return [], []
             batch, samples = _subset(batch, keep), [samples[i] for i in keep]
