@@ -402,7 +402,7 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
     import gc
 
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.cuda_graphs import DecodeGraphs, capture_sizes
+    from engine.cuda_graphs import capture_sizes
     from engine.tiny import write_model
 
     tmp = tempfile.mkdtemp(prefix="sluice-gpu-graphs-")
@@ -425,9 +425,7 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
                                      max_num_batched_tokens=8192, max_model_len=1024, num_kv_blocks=4096,
                                      enforce_eager=not (graphs and dev == "cuda")))
         if graphs and dev != "cuda":
-            r = eng.runner
-            r.graphs = DecodeGraphs(eng.model, r.kv_caches, capture_sizes(max(batches)), r.max_blocks_per_seq,
-                                    r.block_size, r.device, capture=False)
+            eng.runner.graphs = eng.runner.decode_graphs(capture_sizes(max(batches)), capture=False)
         return eng
 
     def decode(eng: LLMEngine, bs: int) -> tuple[float, float]:

@@ -83,9 +83,13 @@ class ModelRunner:
         # NOTE: the host buffers above are reused every step; copies out of them are asynchronous
         # on CUDA, so the next step must not overwrite them before the last copies have run.
         self.copies_done = torch.cuda.Event() if device.type == "cuda" else None
-        self.graphs = None if not graph_sizes else DecodeGraphs(
-            model, self.kv_caches, graph_sizes, self.max_blocks_per_seq, self.block_size, device,
-            capture=device.type == "cuda")
+        self.graphs = self.decode_graphs(graph_sizes, capture=device.type == "cuda") if graph_sizes else None
+
+    def decode_graphs(self, sizes: list[int], capture: bool) -> DecodeGraphs:
+        """Decode graphs at these batch sizes over this runner's model and pool; `capture=False` runs the buckets
+        eagerly on the graphs' buffers (how the CPU tests and gpu_check's dry run check them)."""
+        return DecodeGraphs(self.model, self.kv_caches, sizes, self.max_blocks_per_seq, self.block_size, self.device,
+                            capture=capture)
 
     def _prepare(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Step metadata on the device; `rows`: the sequences whose last token reaches the LM head (with a draft,

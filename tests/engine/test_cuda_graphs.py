@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.cuda_graphs import capture_sizes
 from tests.engine.test_spec import _prompts
 
 
@@ -26,8 +26,7 @@ def graphed(eng: LLMEngine) -> dict[tuple[int, int], int]:
     """Gives `eng` decode graphs run eagerly on their buffers; returns how often each (batch size, bucket) ran,
     filled as it runs."""
     r = eng.runner
-    r.graphs = g = DecodeGraphs(eng.model, r.kv_caches, capture_sizes(eng.config.max_num_seqs), r.max_blocks_per_seq,
-                                r.block_size, r.device, capture=False)
+    r.graphs = g = r.decode_graphs(capture_sizes(eng.config.max_num_seqs), capture=False)
     used: dict[tuple[int, int], int] = {}
     stage = g.stage
 

@@ -53,7 +53,7 @@ GRAPHS_SCRIPT = """
 import json, sys
 import kernels
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.cuda_graphs import capture_sizes
 assert kernels.MODE == "triton", kernels.MODE
 prompts = [list(range(40, 40 + n)) for n in (22, 5, 13)]
 toks = []
@@ -63,8 +63,7 @@ for graphs in (False, True):
                                  max_model_len=1024, max_num_seqs=4))
     if graphs:
         r = eng.runner
-        r.graphs = DecodeGraphs(eng.model, r.kv_caches, capture_sizes(4), r.max_blocks_per_seq, r.block_size,
-                                r.device, capture=False)
+        r.graphs = r.decode_graphs(capture_sizes(4), capture=False)
         runs = []
         stage = r.graphs.stage
         r.graphs.stage = lambda reqs: runs.append(len(reqs)) or stage(reqs)
