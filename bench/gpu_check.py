@@ -336,25 +336,35 @@ MODEL_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, 
                  head_dim=64, intermediate_size=4864, max_position_embeddings=4096, tie_word_embeddings=True)
 MODEL_DRY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=128, max_position_embeddings=1024)
+VOCAB = {"cuda": 8192, "cpu": 1024}  # the tiny tokenizer builder's BPE vocabulary
+_MODELS: dict[str, str] = {}
+
+
+def model_dir(dev: str, dtype: str) -> tuple[str, int]:
+    """(directory, vocab) of the check's model in `dtype`: 0.5B-shaped on a GPU, tiny in a dry run; written once per
+    run and dtype (seed 0), shared by every engine section and the transformers baseline."""
+    shape, vocab = (MODEL_05B if dev == "cuda" else MODEL_DRY), VOCAB[dev]
+    if dtype not in _MODELS:
+        from engine.tiny import write_model
+
+        _MODELS[dtype] = str(write_model(tempfile.mkdtemp(prefix=f"sluice-gpu-check-{dtype}-"), shape, seed=0,
+                                         dtype=getattr(torch, dtype), tokenizer_vocab=vocab, progress=False))
+    return _MODELS[dtype], vocab
 
 
 def engine_rows(
     dev: str, batches: list[int], prompt_len: int, new_tokens: int, with_torch: bool
 ) -> list[Callable[[], Row]]:
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.tiny import write_model
 
     state: dict[str, object] = {}
 
     def engine() -> tuple[object, int]:
         if "eng" not in state:
-            tmp = tempfile.mkdtemp(prefix="sluice-gpu-check-")
-            cfg = MODEL_05B if dev == "cuda" else MODEL_DRY
-            vocab = 8192 if dev == "cuda" else 1024
-            dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-            path = write_model(tmp, cfg, seed=0, dtype=dtype, tokenizer_vocab=vocab, progress=False)
+            dtype = "bfloat16" if dev == "cuda" else "float32"
+            path, vocab = model_dir(dev, dtype)
             state["eng"] = LLMEngine(EngineConfig(
-                model=str(path), dtype="bfloat16" if dev == "cuda" else "float32", device=dev,
+                model=path, dtype=dtype, device=dev,
                 max_num_seqs=max(batches), max_num_batched_tokens=8192, max_model_len=1024,
                 num_kv_blocks=None if dev == "cuda" else 256,
             ))
@@ -403,27 +413,21 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
 
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.cuda_graphs import capture_sizes
-    from engine.tiny import write_model
 
-    tmp = tempfile.mkdtemp(prefix="sluice-gpu-graphs-")
-    shape, vocab = (MODEL_05B, 8192) if dev == "cuda" else (MODEL_DRY, 1024)
-    paths: dict[str, str] = {}
+    vocab = VOCAB[dev]
 
-    def engine(dtype: str, graphs: bool) -> LLMEngine:
+    def engine(dtype: str, graphs: bool, overlap: bool = False) -> LLMEngine:
         if graphs and dev == "cuda":
             try:  # CUPTI must be set up before a graph is captured, else profiling its replays can lose kernels
                 torch.profiler._utils._init_for_cuda_graphs()
             except Exception as e:
                 print(f"profiler set-up for graphs: {type(e).__name__}: {e}", file=sys.stderr)
-        if dtype not in paths:
-            paths[dtype] = str(write_model(f"{tmp}/{dtype}", shape, seed=0, dtype=getattr(torch, dtype),
-                                           tokenizer_vocab=vocab, progress=False))
         gc.collect()  # the last engine's pool and graphs go before this one sizes its own
         if dev == "cuda":
             torch.cuda.empty_cache()
-        eng = LLMEngine(EngineConfig(model=paths[dtype], dtype=dtype, device=dev, max_num_seqs=max(batches),
+        eng = LLMEngine(EngineConfig(model=model_dir(dev, dtype)[0], dtype=dtype, device=dev, max_num_seqs=max(batches),
                                      max_num_batched_tokens=8192, max_model_len=1024, num_kv_blocks=4096,
-                                     enforce_eager=not (graphs and dev == "cuda")))
+                                     enforce_eager=not (graphs and dev == "cuda"), async_output_proc=overlap))
         if graphs and dev != "cuda":
             eng.runner.graphs = eng.runner.decode_graphs(capture_sizes(max(batches)), capture=False)
         return eng
@@ -482,21 +486,153 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
 
     def same_tokens() -> Row:
         """7 prompts (one past 512 tokens: two KV splits in the graphs), ending at different steps: the batch
-        shrinks through padded buckets (7 in 8, 5 in 8, 3 in 4)."""
+        shrinks through padded buckets (7 in 8, 5 in 8, 3 in 4). Eager, graphs, and graphs with the outputs made
+        while the next forward runs (--async-output-proc)."""
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 128, 600, 17, 64, 9)]
         longest = 32 if dev == "cuda" else 4
         params = [SamplingParams(max_tokens=longest - 4 * (i % 3) * longest // 16, temperature=0.0, ignore_eos=True)
                   for i in range(len(prompts))]
-        toks = [[o.token_ids for o in engine("float32", graphs).generate(prompts, params)] for graphs in (False, True)]
-        r = Row("greedy tokens: graphs vs eager", f"fp32, {len(prompts)} prompts, up to {longest} tokens")
-        r.err = "identical" if toks[0] == toks[1] else "DIFFER"
-        r.ok = toks[0] == toks[1]
-        if not r.ok:
-            r.notes.append(f"{sum(a != b for a, b in zip(*toks))} of {len(prompts)} sequences differ")
+        toks = [[o.token_ids for o in engine("float32", graphs, overlap).generate(prompts, params)]
+                for graphs, overlap in ((False, False), (True, False), (True, True))]
+        r = Row("greedy tokens: eager, graphs, graphs + async outputs", f"fp32, {len(prompts)} prompts, up to {longest} tokens")
+        r.ok = toks[0] == toks[1] == toks[2]
+        r.err = "identical" if r.ok else "DIFFER"
+        for name, other in (("graphs", toks[1]), ("graphs + async outputs", toks[2])):
+            if other != toks[0]:
+                r.notes.append(f"{name}: {sum(a != b for a, b in zip(toks[0], other))} of {len(prompts)} sequences differ")
         return r
 
     return [lambda bs=bs: row(bs) for bs in batches] + [same_tokens]
+
+
+# ---------------------------------------------------------------- offline and served workloads
+
+
+@dataclass(frozen=True)
+class Load:
+    title: str
+    requests: int
+    prompt: tuple[int, int]  # lengths drawn uniformly from [lo, hi]
+    output: tuple[int, int]
+
+
+# The workloads issue 15 measured before graphs (README "GPU path"); a dry run shrinks them.
+LOADS = {"cuda": [Load("256 × 128 in / 256 out, all at once", 256, (128, 128), (256, 256)),
+                  Load("256 requests, prompts 16–2,048, outputs 4–256, all at once", 256, (16, 2048), (4, 256))],
+         "cpu": [Load("4 × 8 in / 4 out, all at once", 4, (8, 8), (4, 4)),
+                 Load("4 requests, prompts 4–40, outputs 2–6, all at once", 4, (4, 40), (2, 6))]}
+# (chats, system prompt tokens, user turn tokens, output tokens)
+SERVED = {"cuda": (256, 2048, (32, 64), 128), "cpu": (4, 24, (4, 8), 3)}
+# Sluice's two configurations: the defaults, and CUDA graphs with the outputs made while the next forward runs.
+MODES = {"eager": {}, "graphs + async outputs": {"enforce_eager": False, "async_output_proc": True}}
+
+
+def workload_rows(dev: str) -> list[Callable[[], list[Row]]]:
+    """Output tok/s of Sluice in each of MODES against transformers' static `generate` (batch 256, sdpa, the same
+    weights) on LOADS, every request at once; then `sluice serve` in each mode under a WebSocket load: SERVED's chats,
+    all on one shared system prompt, all sent at once (tok/s, TTFT, ITL). Sluice keeps its default step budget
+    (2,048 tokens). bf16 on a GPU; a dry run (fp32, interpreter) checks the plumbing only."""
+    import gc
+    import random
+    from pathlib import Path
+
+    from bench.driver import EngineSystem, Req, measure, summarize
+    from bench.hf import HFStatic
+    from engine import EngineConfig
+
+    dtype = "bfloat16" if dev == "cuda" else "float32"
+    max_len = 4096 if dev == "cuda" else 1024
+
+    def free() -> None:
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+    def blocks(n: int, longest: int) -> int:
+        return n * -(-longest // 16) + 64
+
+    def result(check: str, r: dict, base: dict | None = None) -> Row:
+        row = Row(check, r["system"])
+        if r.get("error"):
+            row.ok, row.notes = False, [str(r["error"])[:160]]
+            return row
+        num = lambda k, spec: "–" if r.get(k) is None else format(r[k], spec)  # noqa: E731
+        row.shape += f": TTFT p50 {num('ttft_p50_ms', ',.0f')} ms, ITL p50 {num('itl_p50_ms', '.1f')} / p99 " \
+                     f"{num('itl_p99_ms', '.1f')} ms"
+        row.tok_s = f"{r['throughput_tok_s']:,.0f}"
+        if base and base is not r and base.get("throughput_tok_s"):
+            row.tok_s += f" ({r['throughput_tok_s'] / base['throughput_tok_s']:.2f}× transformers)"
+        return row
+
+    def offline(load: Load) -> list[Row]:
+        path, vocab = model_dir(dev, dtype)
+
+        def reqs(tag: str, ld: Load = load) -> list[Req]:  # the same prompts for every system
+            rng = random.Random(ld.title)
+            return [Req(f"{tag}-{i}", [rng.randrange(16, vocab) for _ in range(rng.randint(*ld.prompt))],
+                        rng.randint(*ld.output)) for i in range(ld.requests)]
+
+        n, longest = load.requests, load.prompt[1] + load.output[1]
+        systems = [EngineSystem(f"sluice, {mode}", EngineConfig(
+            model=path, dtype=dtype, device=dev, max_num_seqs=n, max_model_len=max_len, block_size=16,
+            num_kv_blocks=blocks(n, longest), seed=0, **flags)) for mode, flags in MODES.items()]
+        systems.append(HFStatic(f"transformers generate, static batch {n}", path, getattr(torch, dtype), n, dev))
+        warm = Load("warm-up", 2, (16, 16), (4, 4))
+        try:
+            rows, _ = measure(systems, workload=reqs, warmup=lambda tag: reqs(tag, warm), row=lambda s, tr: summarize(
+                s.name, tr), progress=False)
+        finally:
+            for s in systems:
+                s.close()
+            free()
+        return [result(f"offline: {load.title}", r, rows[-1]) for r in rows]
+
+    def served() -> list[Row]:
+        from transformers import AutoTokenizer
+
+        from bench.common import Run
+        from bench.serve import Chat, Server, run_server
+
+        path, vocab = model_dir(dev, dtype)
+        n, system_len, user_len, max_tokens = SERVED[dev]
+        tok = AutoTokenizer.from_pretrained(path)
+        rng = random.Random("served")
+        text = lambda k: tok.decode([rng.randrange(16, vocab) for _ in range(k)])  # noqa: E731
+
+        def chats(tag: str, count: int, out: int) -> list[Chat]:
+            system = text(system_len)  # one per run: the warm-up leaves the measured run's prompt uncached
+            msgs = [[{"role": "system", "content": system}, {"role": "user", "content": text(rng.randint(*user_len))}]
+                    for _ in range(count)]
+            return [Chat(f"{tag}-{i}", tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                                          add_special_tokens=False)["input_ids"], out, messages=m)
+                    for i, m in enumerate(msgs)]
+
+        run = Run(model_dir=Path(path), dtype=dtype, threads=os.cpu_count() or 1, quick=dev != "cuda",
+                  out_dir=Path(tempfile.mkdtemp(prefix="sluice-gpu-serve-")))
+        out = []
+        for mode, flags in MODES.items():
+            longest = system_len * 2 + user_len[1] + max_tokens  # the tokenizer's round trip can lengthen the text
+            args = ["--device", dev, "--max-num-seqs", str(n), "--max-model-len", str(max_len),
+                    "--num-kv-blocks", str(blocks(n, longest)), "--seed", "0",
+                    *(f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in flags.items())]
+            server = Server(run, args)
+            try:
+                server.wait_ready(timeout=600)
+                run_server(server, chats("warm", 2, 2), "warm-up", progress=False)
+                reqs = chats("chat", n, max_tokens)
+                tr = run_server(server, reqs, mode, progress=False)
+                prompt = sorted(len(r.prompt) for r in reqs)[n // 2]
+                out.append(result(f"served: {n} WebSocket chats, shared system prompt ({prompt}-token prompts, "
+                                  f"median), {max_tokens} out", summarize(f"sluice serve, {mode}", tr)))
+            except Exception as e:  # one mode's failure is a row, and the next mode still runs
+                out.append(Row("served", f"sluice serve, {mode}", ok=False,
+                               notes=[f"{type(e).__name__}: {e}"[:160], server.tail()[-200:]]))
+            finally:
+                server.stop()
+        return out
+
+    return [lambda ld=ld: offline(ld) for ld in LOADS[dev]] + [served]
 
 
 # ---------------------------------------------------------------- main
@@ -507,6 +643,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU via TRITON_INTERPRET (logic check)")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--only-graphs", action="store_true", help="only the CUDA-graph rows (decode steps, equality)")
+    ap.add_argument("--only-workloads", action="store_true",
+                    help="only the offline and served workloads (Sluice vs transformers; sluice serve under load)")
     ap.add_argument("--no-torch-e2e", action="store_true", help="skip the torch-reference engine comparison")
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
@@ -514,19 +652,23 @@ def main() -> int:
         return 2
     dev = "cpu" if args.dry_run else "cuda"
     s = TINY if args.dry_run else REAL
-    checks = [] if args.only_graphs else attention_rows(s, dev) + quantized_rows(s, dev) + elementwise_rows(s, dev)
-    if not (args.skip_engine or args.only_graphs):
+    only = args.only_graphs or args.only_workloads
+    checks = [] if only else attention_rows(s, dev) + quantized_rows(s, dev) + elementwise_rows(s, dev)
+    if not (args.skip_engine or only):
         batches = [1, 2] if args.dry_run else [1, 16, 64, 128]
         checks += engine_rows(dev, batches, 8 if args.dry_run else 128, 3 if args.dry_run else 128,
                               with_torch=not args.no_torch_e2e)
-    if not args.skip_engine:
+    if not (args.skip_engine or args.only_workloads):
         checks += graph_rows(dev, [1, 2] if args.dry_run else [1, 64, 256], 3 if args.dry_run else 20)
+    if not (args.skip_engine or args.only_graphs):
+        checks += workload_rows(dev)
 
     rows: list[Row] = []
     t0 = time.perf_counter()
     for i, make in enumerate(checks):
         try:
-            rows.append(make())
+            made = make()
+            rows += made if isinstance(made, list) else [made]
         except Exception as e:  # one broken check must not hide the others
             traceback.print_exc(file=sys.stderr)
             rows.append(Row(f"check #{i}", "–", ok=False, notes=[f"{type(e).__name__}: {e}"[:120]]))

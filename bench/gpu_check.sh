@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU check (H100/H200): installs the working tree into a venv, then runs bench/gpu_check.py
 # which prints one markdown table (kernels vs reference, timings, decode GB/s, engine tokens/s).
-# Usage: bench/gpu_check.sh [--skip-engine] [--no-torch-e2e] [--only-graphs]      (CPU logic check: --dry-run)
+# Usage: bench/gpu_check.sh [--skip-engine] [--no-torch-e2e] [--only-graphs | --only-workloads]
+#                                                                                  (CPU logic check: --dry-run)
 # Budget: <= 8 minutes on one H200 including the install. Works offline if torch+triton are preinstalled.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +24,10 @@ if "$VPY" -c "import torch, triton" 2>/dev/null; then
   missing=$("$VPY" - <<'PY'
 import importlib.util
 mods = {"numpy": "numpy", "safetensors": "safetensors", "tokenizers": "tokenizers", "transformers": "transformers",
-        "jinja2": "jinja2", "tqdm": "tqdm"}
+        "jinja2": "jinja2", "tqdm": "tqdm", "matplotlib": "matplotlib",
+        # the served workload runs `python -m service`
+        "starlette": "starlette", "uvicorn": "uvicorn", "websockets": "websockets", "uvloop": "uvloop",
+        "msgspec": "msgspec", "prometheus_client": "prometheus-client"}
 print(" ".join(pkg for mod, pkg in mods.items() if importlib.util.find_spec(mod) is None))
 PY
 )

@@ -19,11 +19,12 @@ from tqdm import tqdm
 from bench.driver import Req, Trace
 
 
-def load(model_dir, dtype: torch.dtype):
+def load(model_dir, dtype: torch.dtype, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    # NOTE: sdpa is transformers' fastest CPU attention; flash/paged kernels are CUDA-only.
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa").eval()
+    # NOTE: sdpa is transformers' fastest CPU attention; flash/paged kernels are CUDA-only (and need packages a
+    # GPU check cannot count on), so a GPU run uses sdpa too.
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa").to(device).eval()
 
 
 class _StepClock:
@@ -44,14 +45,14 @@ class _StepClock:
 
 
 class HFStatic:
-    def __init__(self, name: str, model_dir, dtype: torch.dtype, batch_size: int):
-        self.name, self.model_dir, self.dtype, self.batch_size = name, model_dir, dtype, batch_size
+    def __init__(self, name: str, model_dir, dtype: torch.dtype, batch_size: int, device: str = "cpu"):
+        self.name, self.model_dir, self.dtype, self.batch_size, self.device = name, model_dir, dtype, batch_size, device
         self.model = None
 
     @torch.inference_mode()
     def run(self, reqs: list[Req], desc: str = "", progress: bool = True) -> Trace:
         if self.model is None:
-            self.model = load(self.model_dir, self.dtype)
+            self.model = load(self.model_dir, self.dtype, self.device)
         m = self.model
         pad = m.config.pad_token_id if m.config.pad_token_id is not None else 0
         order = sorted(reqs, key=lambda r: r.at)
@@ -67,8 +68,8 @@ class HFStatic:
             for r in batch:
                 tr.arrive(r, t0 + r.at)
             L = max(len(r.prompt) for r in batch)
-            ids = torch.tensor([[pad] * (L - len(r.prompt)) + r.prompt for r in batch])
-            mask = torch.tensor([[0] * (L - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+            ids = torch.tensor([[pad] * (L - len(r.prompt)) + r.prompt for r in batch], device=self.device)
+            mask = torch.tensor([[0] * (L - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=self.device)
             n = max(r.max_tokens for r in batch)
             clock = _StepClock()
             m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -76,6 +77,8 @@ class HFStatic:
             for r in batch:
                 tr.tokens[r.rid] = clock.times[: r.max_tokens]
             bar.update(sum(r.max_tokens for r in batch))
+        if self.device != "cpu":
+            torch.cuda.synchronize()
         tr.end = time.perf_counter()
         bar.close()
         return tr
