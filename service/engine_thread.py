@@ -146,6 +146,8 @@ class EngineThread:
     def _run(self) -> None:
         try:
             try:
+                if self.replacement:  # a rebuild runs the device (its pool, CUDA graph capture): a hung one shows here
+                    self.busy_since = time.monotonic()
                 engine = self._factory()
                 self.busy_since = time.monotonic()  # pinning runs the model: a hung device shows here first
                 for text in self._pinned:

