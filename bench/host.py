@@ -5,9 +5,12 @@ A decode-only batch of `batch` requests steps `steps` times (after warm-up steps
 0.8 and top-p 0.9. Each phase is timed by wrapping the engine's own functions: `schedule`, `prepare` (the
 step's metadata), `forward` (the model: on a CPU its kernels), `sample`, and the rest of the step (`outputs`:
 committing, detokenizing, stop checks, building each RequestOutput). Host time = step wall time - forward.
-Rows give medians per step; `host_us_per_seq` divides the host time by the batch. The `sorted` rows run the same
-steps with the sampler as it was before issue 15 (a full-vocabulary sort for top-k/top-p, one exponential draw
-per request in a Python loop), swapped in for this run: the baseline, measured side by side. The `async outputs`
+Rows give medians per step; `host_us_per_seq` divides the host time by the batch. The `sorted` and `looped` rows
+run the same steps with the sampler as it was before issue 15 (a full-vocabulary sort for top-k/top-p, one
+exponential draw per request in a Python loop; penalties with tensors and kernels of their own per request),
+swapped in for this run: the baseline, measured side by side. The `penalties` rows decode greedily with
+repetition 1.1, presence 0.5 and frequency 0.3 penalties; the `seeded` rows sample as the top-p rows with a seed per
+request, their baseline drawing each seeded row's uniform with a call of its own. The `async outputs`
 rows run the greedy steps with `async_output_proc` (a step's outputs made while the next step's forward runs on
 the forward thread): their host time is what the forward does not hide.
 """
@@ -74,6 +77,38 @@ def sorted_draw(logits, params, gens, default) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
+def looped_penalties(logits: torch.Tensor, reqs: list) -> None:
+    """The penalties before issue 15's batching, the baseline: per request with penalties, its own tensors and
+    kernels (a bincount, a mask over the vocabulary, three elementwise ops)."""
+    V = logits.shape[1]
+    for i, r in enumerate(reqs):
+        p = r.params
+        if not p.has_penalties:
+            continue
+        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
+            seen[torch.tensor(r.token_ids, dtype=torch.long, device=logits.device)] = True
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalized, row))
+        if out.numel() and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(out, minlength=V)[:V].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def looped_uniforms(gens, default, device) -> torch.Tensor:
+    """The seeded draws before issue 15's batching, the baseline: a call (a kernel) and a write per seeded row."""
+    u = torch.empty(len(gens), device=device)
+    rest = [j for j, g in enumerate(gens) if g is None]
+    if rest:
+        u[rest] = torch.rand(len(rest), generator=default, device=device)
+    for j, g in enumerate(gens):
+        if g is not None:
+            u[j] = g.rand(1, device)[0]
+    return u
+
+
 def measure_batch(run: Run, sz: Sizes, batch: int, params: SamplingParams, baseline: bool = False,
                   overlap: bool = False) -> dict:
     vocab = model_config(run.model_dir)["vocab_size"]
@@ -95,8 +130,11 @@ def measure_batch(run: Run, sz: Sizes, batch: int, params: SamplingParams, basel
     for _ in range(sz.warmup_steps):
         eng.step()
     per_step: list[dict[str, float]] = []
-    current = engine.sampler.draw
-    engine.sampler.draw = sorted_draw if baseline else current
+    current = engine.sampler.draw, engine.sampler.apply_penalties, engine.sampler._uniforms
+    if baseline:
+        engine.sampler.draw, engine.sampler.apply_penalties = sorted_draw, looped_penalties
+        if params.seed is not None:  # the seeded rows: only the draws differ from the batched sampler's
+            engine.sampler.draw, engine.sampler._uniforms = current[0], looped_uniforms
     try:
         for _ in range(sz.steps):
             before = dict(spent)
@@ -107,13 +145,15 @@ def measure_batch(run: Run, sz: Sizes, batch: int, params: SamplingParams, basel
             phases = {k: spent[k] - before[k] for k in PHASES}
             per_step.append({**phases, "step": wall, "outputs": wall - sum(phases.values())})
     finally:
-        engine.sampler.draw = current
+        engine.sampler.draw, engine.sampler.apply_penalties, engine.sampler._uniforms = current
     med = {k: statistics.median(s[k] for s in per_step) for k in (*PHASES, "step", "outputs")}
     host = statistics.median(s["step"] - s["forward"] for s in per_step)
     ms = lambda x: round(1000 * x, 3)  # noqa: E731
     eng.close()
-    name = (f"batch {batch} {'greedy' if params.temperature == 0 else 'top-p'}{' (sorted)' if baseline else ''}"
-            f"{' (async outputs)' if overlap else ''}")
+    kind = ("penalties" if params.has_penalties else "greedy" if params.temperature == 0
+            else "top-p seeded" if params.seed is not None else "top-p")
+    before = {"penalties": " (looped)", "top-p": " (sorted)", "top-p seeded": " (looped)"}.get(kind, "") if baseline else ""
+    name = f"batch {batch} {kind}{before}{' (async outputs)' if overlap else ''}"
     return {"system": name, "batch": batch,
             "step_ms": ms(med["step"]), "forward_ms": ms(med["forward"]), "host_ms": ms(host),
             "host_us_per_seq": round(1e6 * host / batch, 1), "host_share": round(host / med["step"], 3),
@@ -123,11 +163,14 @@ def measure_batch(run: Run, sz: Sizes, batch: int, params: SamplingParams, basel
 
 def main(run: Run) -> dict:
     sz = QUICK if run.quick else FULL
-    modes = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=None))
+    greedy, top_p = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=None)
+    penalties = SamplingParams(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3)
+    seeded = replace(top_p, seed=1234)
     rows = []
     for batch in sz.batches:
-        for params, baseline, overlap in ((modes[0], False, False), (modes[0], False, True), (modes[1], True, False),
-                                          (modes[1], False, False)):
+        for params, baseline, overlap in ((greedy, False, False), (greedy, False, True), (top_p, True, False),
+                                          (top_p, False, False), (penalties, True, False), (penalties, False, False),
+                                          (seeded, True, False), (seeded, False, False)):
             best = None
             for _ in range(run.rounds):  # the fastest round: noise only ever slows a step down
                 row = measure_batch(run, sz, batch, params, baseline, overlap)
@@ -155,7 +198,10 @@ def main(run: Run) -> dict:
 
     targets = [report.target(f"host ms per batch-{b} top-p step / the sorted sampler's",
                              report.ratio(by[f"batch {b} top-p"]["host_ms"], by[f"batch {b} top-p (sorted)"]["host_ms"]),
-                             "<=", 0.333)]
+                             "<=", 0.333),
+               report.target(f"host ms per batch-{b} penalties step / the looped penalties'",
+                             report.ratio(by[f"batch {b} penalties"]["host_ms"],
+                                          by[f"batch {b} penalties (looped)"]["host_ms"]), "<=", 0.333)]
     report.write(run, "host", rows,
                  columns=["step_ms", "forward_ms", "host_ms", "host_us_per_seq", "host_share", "schedule_ms",
                           "prepare_ms", "sample_ms", "outputs_ms"],

@@ -32,6 +32,7 @@ from engine.prefix_store import PrefixStore
 from engine.processor import InputProcessor
 from engine.request import (Checkpoint, CompletionOutput, PromptTooLongError, Request, RequestOutput, SamplingParams,
                             Status)
+from engine.sampler import SeededStream
 from engine.scheduler import Batch, Scheduler
 from engine.step_cost import attention_work
 
@@ -307,7 +308,7 @@ class LLMEngine:
     # random generators move during a run; they are put back before every retry and probe, so requests that
     # are not to blame sample exactly what they would have without the failure.
 
-    def _rng_state(self, batch: Batch) -> list[tuple[torch.Generator, torch.Tensor]]:
+    def _rng_state(self, batch: Batch) -> list[tuple[torch.Generator | SeededStream, torch.Tensor]]:
         gens = [self.runner.sampler.generator, *(r.generator for r in batch.reqs if r.generator is not None)]
         return [(g, g.get_state()) for g in gens]
 
@@ -357,7 +358,7 @@ class LLMEngine:
         # the sampler on the engine thread (a second pool) the forward ran 28% slower at batch 64 on two cores
         return self._forwards.submit(lambda: self.runner.sample(batch, samples, logits)).result()
 
-    def _recover(self, batch: Batch, samples: list[bool], rng: list[tuple[torch.Generator, torch.Tensor]],
+    def _recover(self, batch: Batch, samples: list[bool], rng: list[tuple[torch.Generator | SeededStream, torch.Tensor]],
                  error: Exception, outputs: list[RequestOutput]) -> tuple[list[int], list]:
         """The step failed. Retry it once (a transient failure: the retry's result stands); else run its requests
         in halves, outputs discarded, down to those that fail alone, and drop only them (`StepError`). The rest
@@ -395,7 +396,7 @@ class LLMEngine:
         raise StepError(bad, error, [o for o in outputs if o.request_id in bad]) from error
 
     def _culprits(self, batch: Batch, samples: list[bool], rows: list[int],
-                  rng: list[tuple[torch.Generator, torch.Tensor]]) -> list[Request]:
+                  rng: list[tuple[torch.Generator | SeededStream, torch.Tensor]]) -> list[Request]:
         """The requests among `rows` (which fail together) whose computation fails alone, found by halving."""
         found: list[Request] = []
         for half in (rows[: len(rows) // 2], rows[len(rows) // 2 :]):
@@ -722,7 +723,7 @@ class _Emit:
     rng_state: torch.Tensor | None = None
 
 
-def _restore(rng: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+def _restore(rng: list[tuple[torch.Generator | SeededStream, torch.Tensor]]) -> None:
     """Puts the generators back where `LLMEngine._rng_state` found them."""
     for g, state in rng:
         g.set_state(state)

@@ -108,7 +108,8 @@ class Request:
         self.arrival_time = time.monotonic()
         self.announced = False  # an output (maybe empty) has told the caller it was scheduled
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
-        self.generator = None  # torch.Generator when params.seed is set
+        self.generator = None  # engine.sampler.SeededStream when params.seed is set
+        self.prompt_tokens = None  # the sampler's: the prompt's distinct token ids on the device (repetition penalty)
         # speculative decoding (engine/spec.py): this step's draft tokens, set by the scheduler, cleared after it
         self.draft: list[int] = []
         self.spec_k = 0  # draft tokens to propose next (0: the configured number)
@@ -147,7 +148,7 @@ class Checkpoint:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_text_chars: int = 0
-    rng_state: Any = None  # torch.Tensor (ByteTensor) of the request's own generator; None if it has none
+    rng_state: Any = None  # its SeededStream's state (`get_state`: a tensor); None if it has none
 
     def advance(self, token_ids: list[int], text: str, rng_state: Any) -> None:
         """The caller was given these (a `RequestOutput`'s new tokens, text delta and generator state)."""

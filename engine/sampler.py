@@ -1,7 +1,7 @@
 """Turns last-token logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
-All vocabulary work is batched tensor ops; Python loops run over seeded requests only. A seeded request
-draws from its own generator, so its samples do not depend on what else is in the batch.
+All vocabulary work is batched tensor ops, and so are penalties and seeded draws. A seeded request draws from its
+own counter-based stream (`SeededStream`), so its samples do not depend on what else is in the batch.
 
 Sampling sorts nothing (`sample`): top-k is a partial top-k, min-p a comparison with the row's max, and the
 nucleus (top-p) is found by rejection, as FlashInfer's sampling kernels do: draw from the allowed tokens by
@@ -11,28 +11,47 @@ serves the rare row still drawing after `MAX_ROUNDS`.
 """
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
 from engine.request import Request, TokenLogprob
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
-    """In place. Presence/frequency count generated tokens; repetition covers prompt + output (as vLLM)."""
-    V = logits.shape[1]
-    for i, r in enumerate(reqs):
-        p = r.params
-        if not p.has_penalties:
-            continue
-        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
-        row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
-            seen[torch.tensor(r.token_ids, dtype=torch.long, device=logits.device)] = True
-            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row.copy_(torch.where(seen, penalized, row))
-        if out.numel() and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(out, minlength=V)[:V].to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    """In place. Presence/frequency count generated tokens; repetition covers prompt + output (as vLLM).
+
+    Batched and sparse: a penalty changes only the logits of tokens a row has seen, so the work is over those
+    (row, token) pairs, never over the vocabulary: one gather and one scatter per kind of penalty, whatever the
+    batch. Host work is one flat list of the penalized rows' output tokens; each prompt's distinct tokens go to the
+    device once (`Request.prompt_tokens`). The arithmetic is the per-row formula's, element for element."""
+    rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+    if not rows:
+        return
+    dev, V, dt = logits.device, logits.shape[1], logits.dtype
+    sub = [reqs[i] for i in rows]
+    flat_logits = logits.view(-1)
+    outs = [r.token_ids[r.num_prompt_tokens :] for r in sub]
+    # each output token as an index into the flattened logits: its row * V + the token
+    out_keys = (torch.tensor(list(chain.from_iterable(outs)), dtype=torch.long)
+                + torch.repeat_interleave(torch.tensor(rows) * V, torch.tensor([len(o) for o in outs]))).to(dev)
+    row_of = lambda keys: keys // V  # noqa: E731
+    per_row = lambda name: torch.tensor([getattr(r.params, name) for r in reqs], dtype=dt, device=dev)  # noqa: E731
+    if any(r.params.repetition_penalty != 1.0 for r in sub):
+        for r in sub:
+            if r.prompt_tokens is None or r.prompt_tokens.device != dev:
+                r.prompt_tokens = torch.tensor(sorted(set(r.token_ids[: r.num_prompt_tokens])), dtype=torch.long,
+                                               device=dev)
+        prompts = [r.prompt_tokens for r in sub]
+        prompt_keys = torch.cat(prompts) + torch.repeat_interleave(torch.tensor(rows, device=dev) * V,
+                                                                   torch.tensor([len(p) for p in prompts], device=dev))
+        seen = torch.cat([out_keys, prompt_keys])  # NOTE: a key seen twice is written twice, with the same value
+        rep, x = per_row("repetition_penalty")[row_of(seen)], flat_logits[seen]
+        flat_logits[seen] = torch.where(x > 0, x / rep, x * rep)
+    if len(out_keys) and any(r.params.presence_penalty or r.params.frequency_penalty for r in sub):
+        keys, counts = torch.unique(out_keys, return_counts=True)
+        row = row_of(keys)
+        flat_logits[keys] -= per_row("frequency_penalty")[row] * counts.to(dt) + per_row("presence_penalty")[row]
 
 
 def filter_logits(
@@ -69,16 +88,69 @@ def filter_logits(
 MAX_ROUNDS = 8  # rejection rounds before a row falls back to the sorted filter
 
 
-def _uniforms(gens: list[torch.Generator | None], default: torch.Generator, device: torch.device) -> torch.Tensor:
-    """One U[0, 1) per row: a seeded row's from its own generator, every other row's from one call on `default`."""
+# SplitMix64's constants as signed int64 (torch has no uint64 arithmetic; products wrap the same)
+_GAMMA, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's `>>` is arithmetic)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def hashed_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """U[0, 1) float32s, the `counters[i]`-th of stream `seeds[i]` (int64 tensors): SplitMix64's output for state
+    seed + (counter + 1) * gamma, its top 24 bits. A counter-based generator: any draws of any streams in one batch
+    of elementwise ops."""
+    z = seeds + (counters + 1) * _GAMMA
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 40).to(torch.float32) * 2.0**-24
+
+
+class SeededStream:
+    """A seeded request's random numbers: its n-th uniform is `hashed_uniforms(seed, n)`, so the uniforms of every
+    seeded request in a step come from one batched computation (no kernel, no generator per request), and what
+    it draws depends on its seed alone, never on its batch. `get_state` / `set_state` as a torch.Generator's:
+    what the engine saves before a step and puts back for a retry, and what a `Checkpoint` carries."""
+
+    def __init__(self, seed: int):
+        self.seed, self.counter = seed, 0
+
+    def get_state(self) -> torch.Tensor:
+        return torch.tensor([self.seed, self.counter])
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.seed, self.counter = (int(x) for x in state.tolist())
+
+    def rand(self, n: int, device: torch.device) -> torch.Tensor:
+        """Its next n uniforms."""
+        start, self.counter = self.counter, self.counter + n
+        return hashed_uniforms(torch.full((n,), self.seed, dtype=torch.long, device=device),
+                               torch.arange(start, start + n, device=device))
+
+
+def _uniforms(gens: list[SeededStream | None], default: torch.Generator, device: torch.device) -> torch.Tensor:
+    """One U[0, 1) per row: a seeded row's from its own stream (all of them in one batch), every other row's from
+    one call on `default`."""
     u = torch.empty(len(gens), device=device)
     rest = [j for j, g in enumerate(gens) if g is None]
     if rest:
         u[rest] = torch.rand(len(rest), generator=default, device=device)
-    for j, g in enumerate(gens):
-        if g is not None:
-            u[j] = torch.rand(1, generator=g, device=device)[0]
+    seeded = [j for j, g in enumerate(gens) if g is not None]
+    if seeded:
+        streams = [gens[j] for j in seeded]
+        counters = [g.counter for g in streams]
+        for g in streams:
+            g.counter += 1
+        u[seeded] = hashed_uniforms(torch.tensor([g.seed for g in streams], device=device),
+                                    torch.tensor(counters, device=device))
     return u
+
+
+def _rand(n: int, gen: SeededStream | None, default: torch.Generator, device: torch.device) -> torch.Tensor:
+    """n uniforms of one request: from its stream, or the engine's generator."""
+    return gen.rand(n, device) if gen is not None else torch.rand(n, generator=default, device=device)
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -90,7 +162,7 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-           gens: list[torch.Generator | None], default: torch.Generator, max_top_k: int | None = None,
+           gens: list[SeededStream | None], default: torch.Generator, max_top_k: int | None = None,
            any_min_p: bool | None = None) -> torch.Tensor:
     """A token per row of `probs` [R, V], drawn from it restricted to `filter_logits`' support: the row's top_k
     (0: all), its nucleus of mass top_p (1.0: all; measured on the whole distribution) and its min_p set.
@@ -128,7 +200,7 @@ def sample(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p:
     return out
 
 
-def draw(logits: torch.Tensor, params: list, gens: list[torch.Generator | None],
+def draw(logits: torch.Tensor, params: list, gens: list[SeededStream | None],
          default: torch.Generator) -> torch.Tensor:
     """A token per row of `logits` [R, V] under its request's temperature, top-k, top-p and min-p (`sample`)."""
     dev, V = logits.device, logits.shape[1]
@@ -144,15 +216,15 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def make_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
+    def make_generator(self, seed: int) -> SeededStream:
+        return SeededStream(seed)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: (N, V) float32, one row per request in `reqs`. Returns token ids and logprobs."""
         logits = logits.float()
         raw = logits
         if any(r.params.has_penalties for r in reqs):
-            logits = logits.clone()
+            logits = logits.clone(memory_format=torch.contiguous_format)  # (apply_penalties works on its flat view)
             apply_penalties(logits, reqs)
         greedy_tokens = logits.argmax(-1)
         tokens = greedy_tokens.clone()
@@ -212,8 +284,8 @@ class Sampler:
         p, (w, V), dev = req.params, rows.shape, rows.device
         probs = filter_logits(rows / p.temperature, torch.full((w,), min(p.top_k, V), device=dev),
                               torch.full((w,), p.top_p, device=dev), torch.full((w,), p.min_p, device=dev)).softmax(-1)
-        gen = req.generator if req.generator is not None else self.generator
-        u = torch.rand(w - 1, generator=gen, device=dev).tolist()
+        gen = req.generator
+        u = _rand(w - 1, gen, self.generator, dev).tolist()
         kept = probs[torch.arange(w - 1, device=dev), torch.tensor(req.draft, device=dev)].tolist()
         out: list[int] = []
         for i, x in enumerate(req.draft):
@@ -222,9 +294,9 @@ class Sampler:
                 continue
             rest = probs[i].clone()
             rest[x] = 0.0
-            out.append(int(_inverse_cdf(rest[None], torch.rand(1, generator=gen, device=dev))[0]))
+            out.append(int(_inverse_cdf(rest[None], _rand(1, gen, self.generator, dev))[0]))
             return out
-        out.append(int(_inverse_cdf(probs[-1:], torch.rand(1, generator=gen, device=dev))[0]))
+        out.append(int(_inverse_cdf(probs[-1:], _rand(1, gen, self.generator, dev))[0]))
         return out
 
 

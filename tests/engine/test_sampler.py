@@ -3,6 +3,7 @@ min-p support, logprobs against a recomputation, and the stop conditions (stop i
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -95,6 +96,37 @@ def test_different_seeds_differ(eng):
     assert outs[0].token_ids == outs[2].token_ids
 
 
+def _splitmix64(seed: int, n: int) -> int:
+    """SplitMix64's n-th output (from 0) of state `seed`, in Python's unbounded ints: the reference."""
+    m = (1 << 64) - 1
+    z = (seed + (n + 1) * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def test_seeded_streams_are_splitmix64_batched():
+    """A seeded request's uniforms: SplitMix64's outputs (top 24 bits) at its counter, computed for any streams at
+    once; the counter is its whole state (what a retry restores and a checkpoint carries)."""
+    seeds, counters = [0, 1, 1234, 2**63 - 1, 2**40 + 7], [0, 1, 5, 2**20, 3]
+    got = sampler_mod.hashed_uniforms(torch.tensor(seeds), torch.tensor(counters))
+    assert got.tolist() == [(_splitmix64(s, n) >> 40) / 2**24 for s, n in zip(seeds, counters)]
+    stream = sampler_mod.SeededStream(1234)
+    first = stream.rand(4, torch.device("cpu"))
+    state = stream.get_state()
+    more = stream.rand(3, torch.device("cpu"))
+    stream.set_state(state)
+    assert torch.equal(stream.rand(3, torch.device("cpu")), more)
+    # one per row in a batch, each from its own counter: the same numbers as drawn alone
+    a, b = sampler_mod.SeededStream(1234), sampler_mod.SeededStream(99)
+    batched = [sampler_mod._uniforms([a, None, b], torch.Generator(), torch.device("cpu")) for _ in range(4)]
+    assert [u[0].item() for u in batched] == first.tolist() and a.counter == b.counter == 4
+    u = sampler_mod.SeededStream(7).rand(200_000, torch.device("cpu"))
+    hist = torch.histc(u, bins=16, min=0.0, max=1.0)
+    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean().item() - 0.5) < 0.005
+    assert ((hist - 12_500) ** 2 / 12_500).sum() < 40  # chi-square, 15 degrees of freedom: p < 0.001 past 37.7
+
+
 def test_unseeded_requests_do_not_all_draw_the_same(eng):
     outs = eng.generate([PROMPT] * 2, SamplingParams(max_tokens=N, temperature=1.0, ignore_eos=True))
     assert outs[0].token_ids != outs[1].token_ids
@@ -137,6 +169,29 @@ def test_apply_penalties_on_handcrafted_logits():
     apply_penalties(logits, reqs)
     for row, (kw, want) in zip(logits, cases):
         assert row.tolist() == pytest.approx(want), kw
+
+
+def test_batched_penalties_equal_the_per_row_formula_bit_for_bit():
+    """The sparse batched penalties against the per-request loop they replaced (bench/host.py keeps it as the
+    baseline): every mix of penalties, rows without any, empty outputs, repeated tokens, long prompts."""
+    from bench.host import looped_penalties
+
+    rng = random.Random(0)
+    V = 512
+    kinds = [dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1), dict(repetition_penalty=0.8),
+             dict(frequency_penalty=-0.7), dict(), dict(presence_penalty=1.5), dict(repetition_penalty=1.3,
+                                                                                    frequency_penalty=2.0)]
+    reqs = []
+    for i in range(40):
+        r = Request(str(i), [rng.randrange(V) for _ in range(rng.choice([1, 7, 300]))], SamplingParams(**kinds[i % 6]), 16)
+        r.token_ids += [rng.randrange(8) if i % 4 else rng.randrange(V) for _ in range(rng.choice([0, 1, 5, 60]))]
+        reqs.append(r)
+    logits = 5 * torch.randn(len(reqs), V, generator=torch.Generator().manual_seed(0))
+    want = logits.clone()
+    looped_penalties(want, reqs)
+    apply_penalties(logits, reqs)
+    assert torch.equal(logits, want)
+    assert not torch.equal(logits, 5 * torch.randn(len(reqs), V, generator=torch.Generator().manual_seed(0)))
 
 
 def test_presence_and_frequency_ignore_the_prompt():
