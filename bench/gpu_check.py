@@ -336,6 +336,13 @@ MODEL_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, 
                  head_dim=64, intermediate_size=4864, max_position_embeddings=4096, tie_word_embeddings=True)
 MODEL_DRY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=128, max_position_embeddings=1024)
+# Sluice's configurations under test: the defaults, CUDA graphs, and graphs with the step loop's two overlaps (the
+# outputs made while the next forward runs; the next step scheduled and launched before the last one's tokens are
+# known). A dry run has no graphs to capture: its buckets run eagerly on the graphs' buffers.
+MODES = {"eager": {}, "graphs": {"enforce_eager": False},
+         "graphs + async outputs": {"enforce_eager": False, "async_output_proc": True},
+         "graphs + async scheduling": {"enforce_eager": False, "async_scheduling": True}}
+WORKLOAD_MODES = {m: MODES[m] for m in ("eager", "graphs + async outputs", "graphs + async scheduling")}
 VOCAB = {"cuda": 8192, "cpu": 1024}  # the tiny tokenizer builder's BPE vocabulary
 _MODELS: dict[str, str] = {}
 
@@ -416,7 +423,9 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
 
     vocab = VOCAB[dev]
 
-    def engine(dtype: str, graphs: bool, overlap: bool = False) -> LLMEngine:
+    def engine(dtype: str, mode: str) -> LLMEngine:
+        kw = dict(MODES[mode])
+        graphs = not kw.pop("enforce_eager", True)
         if graphs and dev == "cuda":
             try:  # CUPTI must be set up before a graph is captured, else profiling its replays can lose kernels
                 torch.profiler._utils._init_for_cuda_graphs()
@@ -427,7 +436,7 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
             torch.cuda.empty_cache()
         eng = LLMEngine(EngineConfig(model=model_dir(dev, dtype)[0], dtype=dtype, device=dev, max_num_seqs=max(batches),
                                      max_num_batched_tokens=8192, max_model_len=1024, num_kv_blocks=4096,
-                                     enforce_eager=not (graphs and dev == "cuda"), async_output_proc=overlap))
+                                     enforce_eager=not (graphs and dev == "cuda"), **kw))
         if graphs and dev != "cuda":
             eng.runner.graphs = eng.runner.decode_graphs(capture_sizes(max(batches)), capture=False)
         return eng
@@ -471,36 +480,42 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
 
     def measured(mode: str) -> dict[int, tuple[float, float]]:
         if mode not in state:
-            eng = engine("bfloat16" if dev == "cuda" else "float32", mode == "graphs")
+            eng = engine("bfloat16" if dev == "cuda" else "float32", mode)
             state[mode] = {bs: decode(eng, bs) for bs in batches}
+            eng.close()
         return state[mode]
 
     def row(bs: int) -> Row:
         (g_ms, g_busy), (e_ms, e_busy) = measured("graphs")[bs], measured("eager")[bs]
+        a_ms, a_busy = measured("graphs + async scheduling")[bs]
         pct = lambda x: "–" if x != x else f"{x:.0%}"  # noqa: E731 (nan: not measured)
         r = Row("decode step: graphs vs eager", f"{'0.5B-shaped bf16' if dev == 'cuda' else 'tiny fp32'}, batch {bs}, "
-                f"ms/step {g_ms:.2f} vs {e_ms:.2f}, GPU busy {pct(g_busy)} vs {pct(e_busy)}")
+                f"ms/step {g_ms:.2f} vs {e_ms:.2f}, GPU busy {pct(g_busy)} vs {pct(e_busy)}; graphs + async "
+                f"scheduling {a_ms:.2f} ms/step, GPU busy {pct(a_busy)}")
         r.triton_ms, r.ref_ms = f"{g_ms:.2f}", f"{e_ms:.2f}"
-        r.tok_s = f"{bs / g_ms * 1e3:,.0f} vs {bs / e_ms * 1e3:,.0f}"
+        r.tok_s = f"{bs / g_ms * 1e3:,.0f} vs {bs / e_ms * 1e3:,.0f} (ahead: {bs / a_ms * 1e3:,.0f})"
         return r
 
     def same_tokens() -> Row:
         """7 prompts (one past 512 tokens: two KV splits in the graphs), ending at different steps: the batch
-        shrinks through padded buckets (7 in 8, 5 in 8, 3 in 4). Eager, graphs, and graphs with the outputs made
-        while the next forward runs (--async-output-proc)."""
+        shrinks through padded buckets (7 in 8, 5 in 8, 3 in 4). In every mode of MODES."""
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 128, 600, 17, 64, 9)]
         longest = 32 if dev == "cuda" else 4
         params = [SamplingParams(max_tokens=longest - 4 * (i % 3) * longest // 16, temperature=0.0, ignore_eos=True)
                   for i in range(len(prompts))]
-        toks = [[o.token_ids for o in engine("float32", graphs, overlap).generate(prompts, params)]
-                for graphs, overlap in ((False, False), (True, False), (True, True))]
-        r = Row("greedy tokens: eager, graphs, graphs + async outputs", f"fp32, {len(prompts)} prompts, up to {longest} tokens")
-        r.ok = toks[0] == toks[1] == toks[2]
+        toks = {}
+        for mode in MODES:
+            eng = engine("float32", mode)
+            toks[mode] = [o.token_ids for o in eng.generate(prompts, params)]
+            eng.close()
+        r = Row(f"greedy tokens: {', '.join(MODES)}", f"fp32, {len(prompts)} prompts, up to {longest} tokens")
+        r.ok = all(t == toks["eager"] for t in toks.values())
         r.err = "identical" if r.ok else "DIFFER"
-        for name, other in (("graphs", toks[1]), ("graphs + async outputs", toks[2])):
-            if other != toks[0]:
-                r.notes.append(f"{name}: {sum(a != b for a, b in zip(toks[0], other))} of {len(prompts)} sequences differ")
+        for name, other in toks.items():
+            if other != toks["eager"]:
+                r.notes.append(f"{name}: {sum(a != b for a, b in zip(toks['eager'], other))} of {len(prompts)} "
+                               "sequences differ")
         return r
 
     return [lambda bs=bs: row(bs) for bs in batches] + [same_tokens]
@@ -524,12 +539,10 @@ LOADS = {"cuda": [Load("256 × 128 in / 256 out, all at once", 256, (128, 128), 
                  Load("4 requests, prompts 4–40, outputs 2–6, all at once", 4, (4, 40), (2, 6))]}
 # (chats, system prompt tokens, user turn tokens, output tokens)
 SERVED = {"cuda": (256, 2048, (32, 64), 128), "cpu": (4, 24, (4, 8), 3)}
-# Sluice's two configurations: the defaults, and CUDA graphs with the outputs made while the next forward runs.
-MODES = {"eager": {}, "graphs + async outputs": {"enforce_eager": False, "async_output_proc": True}}
 
 
 def workload_rows(dev: str) -> list[Callable[[], list[Row]]]:
-    """Output tok/s of Sluice in each of MODES against transformers' static `generate` (batch 256, sdpa, the same
+    """Output tok/s of Sluice in each of WORKLOAD_MODES against transformers' static `generate` (batch 256, sdpa, the same
     weights) on LOADS, every request at once; then `sluice serve` in each mode under a WebSocket load: SERVED's chats,
     all on one shared system prompt, all sent at once (tok/s, TTFT, ITL). Sluice keeps its default step budget
     (2,048 tokens). bf16 on a GPU; a dry run (fp32, interpreter) checks the plumbing only."""
@@ -576,7 +589,7 @@ def workload_rows(dev: str) -> list[Callable[[], list[Row]]]:
         n, longest = load.requests, load.prompt[1] + load.output[1]
         systems = [EngineSystem(f"sluice, {mode}", EngineConfig(
             model=path, dtype=dtype, device=dev, max_num_seqs=n, max_model_len=max_len, block_size=16,
-            num_kv_blocks=blocks(n, longest), seed=0, **flags)) for mode, flags in MODES.items()]
+            num_kv_blocks=blocks(n, longest), seed=0, **flags)) for mode, flags in WORKLOAD_MODES.items()]
         systems.append(HFStatic(f"transformers generate, static batch {n}", path, getattr(torch, dtype), n, dev))
         warm = Load("warm-up", 2, (16, 16), (4, 4))
         try:
@@ -611,7 +624,7 @@ def workload_rows(dev: str) -> list[Callable[[], list[Row]]]:
         run = Run(model_dir=Path(path), dtype=dtype, threads=os.cpu_count() or 1, quick=dev != "cuda",
                   out_dir=Path(tempfile.mkdtemp(prefix="sluice-gpu-serve-")))
         out = []
-        for mode, flags in MODES.items():
+        for mode, flags in WORKLOAD_MODES.items():
             longest = system_len * 2 + user_len[1] + max_tokens  # the tokenizer's round trip can lengthen the text
             args = ["--device", dev, "--max-num-seqs", str(n), "--max-model-len", str(max_len),
                     "--num-kv-blocks", str(blocks(n, longest)), "--seed", "0",

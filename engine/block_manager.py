@@ -216,6 +216,7 @@ class BlockManager:
 
     def hash_blocks(self, req: Request) -> list[int]:
         """Extends `req.block_hashes` to cover every full block of `req.token_ids`."""
+        assert not req.num_placeholders, f"{req}: a token it hashes is not sampled yet"
         return self._chain_hashes(req.token_ids, req.block_hashes)
 
     def _chain_hashes(self, token_ids: list[int], hashes: list[int]) -> list[int]:
@@ -330,8 +331,17 @@ class BlockManager:
 
     def commit(self, req: Request, num_new_tokens: int) -> None:
         """Marks `num_new_tokens` more of `req`'s tokens computed; publishes its newly full blocks."""
+        self.advance(req, num_new_tokens)
+        self.publish(req)
+
+    def advance(self, req: Request, num_new_tokens: int) -> None:
+        """`commit` without publishing (async scheduling: the step computing them is still running; `publish` once it
+        is done, and a step that failed goes back with a negative count)."""
         req.num_computed_tokens += num_new_tokens
-        assert req.num_computed_tokens <= len(req.block_table) * self.block_size, f"{req} computed past its blocks"
+        assert 0 <= req.num_computed_tokens <= len(req.block_table) * self.block_size, f"{req} computed past its blocks"
+
+    def publish(self, req: Request) -> None:
+        """Puts `req`'s full blocks of computed tokens not published yet in the prefix cache."""
         n_full = req.num_computed_tokens // self.block_size
         if self.enable_prefix_caching and n_full > req.num_committed_blocks:
             hashes = self.hash_blocks(req)

@@ -53,6 +53,7 @@ class EngineConfig:
     speculative_disable_by_batch_size: int = 16  # no drafts in a step with this many decoding requests or more
     speculative_adaptive: bool = True  # below that, draft only where the step-time model says drafts pay (engine/spec.py)
     async_output_proc: bool = False  # make a step's outputs while the next step's forward runs (one step later; §4)
+    async_scheduling: bool = False  # schedule and prepare step N+1 while step N runs (its outputs made then too; §4)
     enforce_eager: bool = True  # False: decode steps replay CUDA graphs (engine/cuda_graphs.py; on until a GPU has measured them)
 
     def __post_init__(self) -> None:

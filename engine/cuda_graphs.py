@@ -68,12 +68,9 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each, always
         self.rows = torch.arange(n, dtype=torch.int64, device=device)  # every row reaches the LM head
         self.logits = torch.zeros((n, model.cfg.vocab_size), dtype=torch.float32, device=device)  # every graph's output
-        self.host_ints = torch.zeros((3, n), dtype=torch.int64, pin_memory=pin)
-        self.host_ints[2] = -1
-        self.host_block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
-        self.host_seq_lens = torch.ones(n, dtype=torch.int32, pin_memory=pin)
-        # NOTE: the staging buffers are rewritten every step; on CUDA the last step's copies out of them must be done
-        self.copies_done = torch.cuda.Event() if pin else None
+        # two sets of staging, one step each in turn: with async scheduling a step is staged while the last one's
+        # replay, which copies out of its own set, may not have started
+        self.staging = [_Staging(n, max_blocks_per_seq, pin), _Staging(n, max_blocks_per_seq, pin)]
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
         if capture:
             self._capture(device)
@@ -124,30 +121,54 @@ class DecodeGraphs:
         shared output buffer, overwritten by the next replay."""
         return self.stage(reqs)()
 
-    def stage(self, reqs: list[Request]) -> Callable[[], torch.Tensor]:
-        """`run` in two: fills the buffers from the requests now; the replay it returns reads none of them."""
+    def stage(self, reqs: list[Request], fill: tuple[torch.Tensor, Callable[[], torch.Tensor]] | None = None
+              ) -> Callable[[], torch.Tensor]:
+        """`run` in two: fills a staging set from the requests now; the replay it returns reads none of them. It
+        copies the staging into the graphs' buffers first (on the thread that runs it, so after any replay launched
+        before it), then, with `fill` = (rows, tokens), sets those rows' token ids to `tokens()`, device values (async
+        scheduling: the tokens the last step sampled)."""
         B, bs = len(reqs), self.block_size
         b = self.bucket(B)
         assert b is not None and B > 0, (B, self.sizes)
-        if self.copies_done is not None:
-            self.copies_done.synchronize()
+        st = self.staging[0]
+        self.staging.reverse()
+        if st.copies_done is not None:
+            st.copies_done.synchronize()
         pos = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=B)
-        ints = self.host_ints.numpy()
+        ints = st.ints.numpy()
         ints[0, :B] = [r.token_ids[r.num_computed_tokens] for r in reqs]
         ints[1, :B] = pos
-        bt = self.host_block_tables.numpy()
+        bt = st.block_tables.numpy()
         for i, r in enumerate(reqs):  # NOTE: entries past a row's blocks are stale ids: never read (past its context)
             bt[i, : len(r.block_table)] = r.block_table
         bt[B:b, 0] = 0
         ints[2, :B] = bt[np.arange(B), pos // bs].astype(np.int64) * bs + pos % bs
         ints[:, B:b] = ((0,), (0,), (-1,))  # padding: token 0 at position 0, stored nowhere
-        lens = self.host_seq_lens.numpy()
+        lens = st.seq_lens.numpy()
         lens[:B] = pos + 1
         lens[B:b] = 1
-        self.ints.copy_(self.host_ints, non_blocking=True)  # whole: 3 rows of a few KB, one contiguous copy
-        self.block_tables[:b].copy_(self.host_block_tables[:b], non_blocking=True)
-        self.seq_lens[:b].copy_(self.host_seq_lens[:b], non_blocking=True)
-        if self.copies_done is not None:
-            self.copies_done.record()
         replay = self.replays[b]
-        return lambda: replay()[:B]
+
+        def run() -> torch.Tensor:
+            self.ints.copy_(st.ints, non_blocking=True)  # whole: 3 rows of a few KB, one contiguous copy
+            self.block_tables[:b].copy_(st.block_tables[:b], non_blocking=True)
+            self.seq_lens[:b].copy_(st.seq_lens[:b], non_blocking=True)
+            if st.copies_done is not None:
+                st.copies_done.record()
+            if fill is not None:
+                self.ints[0, fill[0]] = fill[1]()
+            return replay()[:B]
+
+        return run
+
+
+class _Staging:
+    """Host staging of the graphs' inputs (pinned on CUDA, so the copies are asynchronous), and the event after the
+    last copies out of it: it is rewritten only once they are done."""
+
+    def __init__(self, n: int, max_blocks_per_seq: int, pin: bool):
+        self.ints = torch.zeros((3, n), dtype=torch.int64, pin_memory=pin)  # token ids, positions, slots
+        self.ints[2] = -1
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, pin_memory=pin)
+        self.copies_done = torch.cuda.Event() if pin else None

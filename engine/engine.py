@@ -30,8 +30,8 @@ from engine.models import LlamaModel
 from engine.parallel import Shard, Workers
 from engine.prefix_store import PrefixStore
 from engine.processor import InputProcessor
-from engine.request import (Checkpoint, CompletionOutput, PromptTooLongError, Request, RequestOutput, SamplingParams,
-                            Status)
+from engine.request import (PLACEHOLDER, Checkpoint, CompletionOutput, PromptTooLongError, Request, RequestOutput,
+                            SamplingParams, Status)
 from engine.sampler import SeededStream
 from engine.scheduler import Batch, Scheduler
 from engine.step_cost import attention_work
@@ -76,8 +76,11 @@ class LLMEngine:
             raise
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
+        # async_scheduling: the step launched last, its tokens not committed yet (while the next one is scheduled)
+        self._pipelined = self._schedules_ahead()
+        self._inflight: _InFlight | None = None
         # async_output_proc: the thread forwards run on, and the last step's outputs, made while the next one runs
-        self._forwards = _ForwardThread() if self._overlaps() else None
+        self._forwards = _ForwardThread() if self._pipelined or self._overlaps() else None
         if self._forwards is not None:  # an engine let go without close() stops its thread too
             weakref.finalize(self, self._forwards.stop)
         self._pending: list[_Emit | RequestOutput] = []
@@ -132,6 +135,17 @@ class LLMEngine:
             return False
         return True
 
+    def _schedules_ahead(self) -> bool:
+        """Does this engine schedule and launch step N+1 before step N's tokens are committed (`async_scheduling`)?"""
+        if not self.config.async_scheduling:
+            return False
+        if self.workers is not None or self.scheduler.spec is not None:
+            # NOTE: a draft needs the last token's value on the host, and other ranks' collectives would run on the
+            # forward thread: neither is built
+            log.warning("async_scheduling does not run with speculative decoding or tensor parallelism; it is off")
+            return False
+        return True
+
     def _graph_sizes(self) -> list[int] | None:
         """The batch sizes decode steps are captured at in CUDA graphs (`enforce_eager=False`), or None."""
         if self.config.enforce_eager:
@@ -176,6 +190,10 @@ class LLMEngine:
         if self.workers is not None:
             raise RuntimeError("a tensor-parallel engine is not rebuilt over its old ranks: start the server again")
         kept = self.runner.kv_caches if keep_cache and self.config.enable_prefix_caching else None
+        if kept is not None and self._forwards is not None:
+            # NOTE: with async scheduling a step (its copies, forward, sampling) may still be queued when the engine
+            # failed: it writes the pool the new engine keeps, so it ends first (a kept pool's engine is not stuck)
+            self._forwards.submit(lambda: None).exception()
         if self._forwards is not None:  # its forward thread; one stuck in a forward keeps running, on the old pool
             self._forwards.stop(wait=False)
         self.runner.kv_caches, self.runner.host_caches, self.runner.draft_caches = [], [], []
@@ -240,14 +258,15 @@ class LLMEngine:
             self._aborted.append(self._output(req, [], "", None))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pending)
+                or self._inflight is not None)
 
     # -- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         try:
-            return self._step(outputs)
+            return self._step_ahead(outputs) if self._pipelined else self._step(outputs)
         except StepError:
             raise  # `_recover` kept the outputs already
         except BaseException:
@@ -301,6 +320,115 @@ class LLMEngine:
             else:
                 self.scheduler.step_cost.observe(*cost_x, seconds)
         return outputs
+
+    # -- async scheduling ------------------------------------------------------------------
+    # Step N+1 is scheduled and launched while step N runs: step N's sampled tokens are in its requests as
+    # placeholders (`Request.num_placeholders`), its computed tokens counted (not yet published in the prefix cache),
+    # and step N+1's forward reads those tokens on the device, after step N's sampling (the forward thread runs
+    # jobs in order). Then step N's tokens come to the host and are committed, and its outputs made, while step N+1's
+    # forward runs. Its sampling goes after that commit, so penalties, stops and seeds see what the plain loop
+    # shows them.
+
+    def _step_ahead(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        started = time.perf_counter()
+        last, self._inflight = self._inflight, None
+        try:
+            batch = self.scheduler.schedule()
+            offloads, loads = self.block_manager.take_copies()
+            if offloads or loads:  # on the forward thread: after the running step, which may write those blocks
+                self._forwards.submit(lambda: self.runner.copy_blocks(offloads, loads))
+            forward, samples = None, []
+            if batch:
+                samples = batch.samples()
+                ahead = {} if last is None else last.rows
+                placeholders = {i: ahead[r] for i, (r, n) in enumerate(zip(batch.reqs, batch.num_new_tokens))
+                                if r.num_placeholders and r.num_computed_tokens + n == r.num_tokens}
+                forward = self._forwards.submit(self.runner.launch(batch, samples, placeholders))
+        except BaseException:
+            self._inflight = last  # the next step commits it
+            raise
+        if last is not None:
+            try:
+                ok = self._finish(last, forward, outputs, started)
+            except BaseException:
+                if forward is not None:
+                    forward.exception()  # launched on tokens never sampled: it ran for nothing
+                raise
+            if not ok:  # the last step failed and was run again: this one read none of its tokens (and waited)
+                return outputs
+        if not batch:
+            return outputs
+        launched = [i for i, s in enumerate(samples) if s]
+        gone = _drop_finished(batch, samples)  # ended by the commit just made, or aborted: their rows go
+        keep = [k for k, i in enumerate(launched) if i not in gone] if gone else None
+        f = _InFlight(batch, samples)
+        if self.config.itl_slo_ms is not None:  # the step-cost model's features, before the step counts its tokens
+            chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling]
+            f.cost_x = (len(batch) - len(chunks), sum(n for _, n in chunks),
+                        sum(attention_work(n, r.num_computed_tokens) for r, n in chunks))
+        for r, n, s in zip(batch.reqs, batch.num_new_tokens, samples):
+            if r.status is Status.FINISHED:
+                continue
+            f.prompt_tokens += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
+            self.block_manager.advance(r, n)
+            f.advanced.append((r, n))
+            if s:
+                r.token_ids.append(PLACEHOLDER)
+                r.num_placeholders += 1
+                f.rows[r] = len(f.rows)
+        f.rng = self._rng_state(batch)  # (no sampling runs now: the last one was waited for)
+
+        def sample() -> tuple[list, list]:
+            self.runner.sampled = None  # if this fails, the next forward finds no tokens to read, not old ones
+            logits = forward.result()
+            return self.runner.sample(batch, samples, logits if keep is None else logits[keep])
+
+        f.result = self._forwards.submit(sample)
+        self._inflight = f
+        return outputs
+
+    def _finish(self, f: _InFlight, after: Future | None, outputs: list[RequestOutput], started: float) -> bool:
+        """Waits for a launched step's tokens, commits them, makes their outputs into `outputs`. False if the step
+        failed: then it is undone and run again as the plain loop recovers a step (`_recover`, which may raise
+        `StepError`), and the step launched `after` it, which read its tokens, is to be dropped."""
+        try:
+            tokens, logprobs = f.result.result()
+            ok = True
+        except Exception as e:
+            if after is not None:
+                after.exception()  # the forward thread is idle before the step runs again on this one
+            self._undo(f)
+            tokens, logprobs = self._recover(f.batch, f.samples, f.rng, e, outputs)
+            self._count_prompt_tokens(f.batch)
+            self.scheduler.postprocess(f.batch)
+            ok = False
+        if ok:
+            for r in f.rows:
+                r.token_ids.pop()  # the placeholder: `_commit` appends the token
+                r.num_placeholders -= 1
+            for r, _ in f.advanced:
+                if r.status is Status.RUNNING:
+                    self.block_manager.publish(r)
+            self.prompt_tokens_computed += f.prompt_tokens
+        self.num_steps += 1
+        made: list[_Emit | RequestOutput] = []
+        try:
+            self._commit(f.batch, f.samples, tokens, logprobs, made)
+        finally:
+            outputs += [m if isinstance(m, RequestOutput) else self._emit_or_fail(m) for m in made]
+        if f.cost_x is not None:  # the step's time: the loop's period, one step's launch to the next's
+            self.scheduler.step_cost.observe(*f.cost_x, time.perf_counter() - started)
+        return ok
+
+    def _undo(self, f: _InFlight) -> None:
+        """A launched step that failed: its requests back where it found them (its computed tokens not counted, no
+        placeholder), so it can run again."""
+        for r, n in f.advanced:
+            if r.status is Status.RUNNING:  # (preempted meanwhile: nothing computed any more)
+                self.block_manager.advance(r, -n)
+        for r in f.rows:
+            r.token_ids.pop()
+            r.num_placeholders -= 1
 
     # -- when the model fails ----------------------------------------------------------------
     # Nothing of a step is kept until `scheduler.postprocess` commits it: a request the failed step held still
@@ -721,6 +849,23 @@ class _Emit:
     flush: bool = False
     reason: str | None = None
     rng_state: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A step launched under async scheduling whose tokens are not committed yet: its result (the sampling's, on
+    the forward thread), the generators before it sampled, each sampled request's row in it (with a placeholder:
+    what the next step's forward reads), what it counted computed ahead of time, the prompt tokens it computes and,
+    with an ITL target, its step-cost features."""
+
+    batch: Batch
+    samples: list[bool]
+    result: Future | None = None
+    rng: list = field(default_factory=list)
+    rows: dict[Request, int] = field(default_factory=dict)
+    advanced: list[tuple[Request, int]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cost_x: tuple[int, int, float] | None = None
 
 
 def _restore(rng: list[tuple[torch.Generator | SeededStream, torch.Tensor]]) -> None:

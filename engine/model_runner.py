@@ -73,16 +73,12 @@ class ModelRunner:
         self.host_caches = kv_pool(model, layout, layout.num_host_blocks, torch.device("cpu")) if layout.num_host_blocks else []
         self.copy_seconds = 0.0  # spent in copy_blocks
         self.draft_work = (0, 0, 0.0)  # the last step's draft model: forwards, tokens, seconds (its cost model's input)
-        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
-        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
-        self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
-        self.block_tables = torch.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
-        self.cu_seqlens_q = torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin)
-        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin)
+        # two sets of step buffers, one step each in turn: with async scheduling a step is prepared while the last one
+        # runs (on a CPU its forward reads them in place)
+        self.buffers = [_StepBuffers(max_num_tokens, max_num_seqs, self.max_blocks_per_seq, pin) for _ in range(2)]
+        self.max_num_tokens = max_num_tokens
         self.sampler = Sampler(seed, device)
-        # NOTE: the host buffers above are reused every step; copies out of them are asynchronous
-        # on CUDA, so the next step must not overwrite them before the last copies have run.
-        self.copies_done = torch.cuda.Event() if device.type == "cuda" else None
+        self.sampled: torch.Tensor | None = None  # the last `sample`'s tokens, on the device (async scheduling)
         self.graphs = self.decode_graphs(graph_sizes, capture=device.type == "cuda") if graph_sizes else None
 
     def decode_graphs(self, sizes: list[int], capture: bool) -> DecodeGraphs:
@@ -103,8 +99,10 @@ class ModelRunner:
                   extra: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Metadata for computing `tokens[i]` of `reqs[i]` at positions from `starts[i]`; the last token of each
         sequence in `rows` reaches the LM head, with the `extra[j]` tokens before it."""
-        if self.copies_done is not None:
-            self.copies_done.synchronize()
+        buf = self.buffers[0]
+        self.buffers.reverse()
+        if buf.copies_done is not None:  # copies out of it are asynchronous on CUDA: the last ones must be done
+            buf.copies_done.synchronize()
         B, bs = len(reqs), self.block_size
         ns = np.asarray([len(t) for t in tokens], dtype=np.int64)
         starts = np.asarray(starts, dtype=np.int64)
@@ -112,35 +110,35 @@ class ModelRunner:
         cu = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(ns, out=cu[1:])
 
-        ids = self.input_ids.numpy()[:T]
+        ids = buf.input_ids.numpy()[:T]
         for i, t in enumerate(tokens):
             ids[cu[i] : cu[i + 1]] = t
-        pos = self.positions.numpy()[:T]
+        pos = buf.positions.numpy()[:T]
         pos[:] = np.arange(T) + np.repeat(starts - cu[:-1], ns)  # (T,)
 
         max_blocks = max(len(r.block_table) for r in reqs)
-        bt = self.block_tables.numpy()[:B, :max_blocks]
+        bt = buf.block_tables.numpy()[:B, :max_blocks]
         bt.fill(0)
         for i, r in enumerate(reqs):
             bt[i, : len(r.block_table)] = r.block_table
         seq_of_token = np.repeat(np.arange(B), ns)  # (T,)
-        slots = self.slot_mapping.numpy()[:T]
+        slots = buf.slot_mapping.numpy()[:T]
         slots[:] = bt[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
-        self.cu_seqlens_q.numpy()[: B + 1] = cu
-        self.seq_lens.numpy()[:B] = starts + ns
+        buf.cu_seqlens_q.numpy()[: B + 1] = cu
+        buf.seq_lens.numpy()[:B] = starts + ns
 
         dev = self.device
         meta = AttentionMetadata(
-            positions=self.positions[:T].to(dev, non_blocking=True),
-            slot_mapping=self.slot_mapping[:T].to(dev, non_blocking=True),
-            block_tables=self.block_tables[:B, :max_blocks].to(dev, non_blocking=True),
-            cu_seqlens_q=self.cu_seqlens_q[: B + 1].to(dev, non_blocking=True),
-            seq_lens=self.seq_lens[:B].to(dev, non_blocking=True),
+            positions=buf.positions[:T].to(dev, non_blocking=True),
+            slot_mapping=buf.slot_mapping[:T].to(dev, non_blocking=True),
+            block_tables=buf.block_tables[:B, :max_blocks].to(dev, non_blocking=True),
+            cu_seqlens_q=buf.cu_seqlens_q[: B + 1].to(dev, non_blocking=True),
+            seq_lens=buf.seq_lens[:B].to(dev, non_blocking=True),
             logits_indices=torch.from_numpy(_logits_indices(cu[1:][rows] - 1, extra)).to(dev),
         )
-        input_ids = self.input_ids[:T].to(dev, non_blocking=True)
-        if self.copies_done is not None:
-            self.copies_done.record()
+        input_ids = buf.input_ids[:T].to(dev, non_blocking=True)
+        if buf.copies_done is not None:
+            buf.copies_done.record()
         return input_ids, meta
 
     def _draft(self, batch: Batch) -> None:
@@ -153,7 +151,7 @@ class ModelRunner:
         t, forwards, tokens = time.perf_counter(), 0, 0
         want = [r for r in batch.reqs if r.draft]
         group: list[Request] = []
-        size, cap = 0, self.input_ids.shape[0]
+        size, cap = 0, self.max_num_tokens
         for r in want + [None]:  # groups of catch-ups that fit the buffers (one always does: < max_model_len)
             n = 0 if r is None else r.num_tokens - r.num_draft_computed
             if group and (r is None or size + n > cap):
@@ -233,31 +231,56 @@ class ModelRunner:
         with a draft the draft tokens verification kept and one more) and their logprobs if it asked for them."""
         return self.sample(batch, samples, self.launch(batch, samples)())
 
-    def launch(self, batch: Batch, samples: list[bool]) -> Callable[[], torch.Tensor]:
+    def launch(self, batch: Batch, samples: list[bool], placeholders: dict[int, int] | None = None
+               ) -> Callable[[], torch.Tensor]:
         """Does now all of the step that reads its requests (drafts, metadata into the step's buffers); returns its
         forward, which reads none of them: it may run on another thread while they change (the engine's
-        `async_output_proc`). The forward returns the sampled rows' logits."""
+        `async_output_proc` and `async_scheduling`). The forward returns the sampled rows' logits.
+
+        `placeholders` (async scheduling): {row: j} for the rows whose last input token is the j-th token the last
+        step samples (`Request.num_placeholders`): the forward reads them from the sampler's last tokens, on the
+        device, so it must run after that step's sampling."""
         rows = [i for i, s in enumerate(samples) if s]
         # with nothing to sample, one row still goes through the LM head: the forward fills the KV cache
         self.draft_work = (0, 0, 0.0)
         if self.draft_model is not None and any(r.draft for r in batch.reqs):
             self._draft(batch)
+        tokens: Callable[[], torch.Tensor] | None = None
+        if placeholders:
+            src = torch.tensor(list(placeholders.values()), device=self.device)
+
+            def read() -> torch.Tensor:  # on the forward thread, after the last step's sampling
+                if self.sampled is None:
+                    raise RuntimeError("the step before this one sampled nothing: the tokens it reads are not known")
+                return self.sampled[src]
+            tokens = read
         if self._graphed(batch, rows):
-            return self.graphs.stage(batch.reqs)
+            fill = None if tokens is None else (torch.tensor(list(placeholders), device=self.device), tokens)
+            return self.graphs.stage(batch.reqs, fill)
         input_ids, meta = self._prepare(batch, rows or [0])
         if self.workers is not None:
             self.workers.step(input_ids, meta)
-        return lambda: self.model.forward(input_ids, meta, self.kv_caches)
+        if tokens is not None:  # each such row's last input token
+            dst = torch.from_numpy(np.cumsum(batch.num_new_tokens)[list(placeholders)] - 1).to(self.device)
+
+        def forward() -> torch.Tensor:
+            if tokens is not None:
+                input_ids[dst] = tokens()
+            return self.model.forward(input_ids, meta, self.kv_caches)
+
+        return forward
 
     def sample(self, batch: Batch, samples: list[bool], logits: torch.Tensor
                ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """`run`'s result from the forward's logits."""
         reqs = [r for r, s in zip(batch.reqs, samples) if s]
+        self.sampled = None
         if not reqs:
             return [], []
         if any(r.draft for r in reqs):
             return self.sampler.verify(logits, reqs)
         tokens, logprobs = self.sampler(logits, reqs)
+        self.sampled = self.sampler.last
         return [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs]
 
     def _graphed(self, batch: Batch, rows: list[int]) -> bool:
@@ -266,6 +289,20 @@ class ModelRunner:
         g = self.graphs
         return (g is not None and len(rows) == len(batch) <= g.max_size
                 and all(n == 1 for n in batch.num_new_tokens))
+
+
+class _StepBuffers:
+    """Host buffers of one step's metadata (pinned on CUDA, so the copies out are asynchronous), and the event
+    after the last copies out of them: they are rewritten only once those are done."""
+
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, pin: bool):
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
+        self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
+        self.block_tables = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self.cu_seqlens_q = torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin)
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin)
+        self.copies_done = torch.cuda.Event() if pin else None
 
 
 def _logits_indices(last: np.ndarray, drafts: list[int]) -> np.ndarray:

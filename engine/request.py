@@ -87,6 +87,9 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]  # the `logprobs` most likely tokens, best first
 
 
+PLACEHOLDER = -1  # a token id a running step samples (async scheduling): replaced before anything reads its value
+
+
 class Request:
     """Mutable state of one request: status by the scheduler, KV bookkeeping by the block manager; read by the runner."""
 
@@ -110,6 +113,9 @@ class Request:
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
         self.generator = None  # engine.sampler.SeededStream when params.seed is set
         self.prompt_tokens = None  # the sampler's: the prompt's distinct token ids on the device (repetition penalty)
+        # async scheduling (engine.py): trailing entries of token_ids sampled by a step still running, their values
+        # not known yet (PLACEHOLDER); the next step is scheduled as if they were (it reads them on the device)
+        self.num_placeholders = 0
         # speculative decoding (engine/spec.py): this step's draft tokens, set by the scheduler, cleared after it
         self.draft: list[int] = []
         self.spec_k = 0  # draft tokens to propose next (0: the configured number)

@@ -31,7 +31,7 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
     dev, V, dt = logits.device, logits.shape[1], logits.dtype
     sub = [reqs[i] for i in rows]
     flat_logits = logits.view(-1)
-    outs = [r.token_ids[r.num_prompt_tokens :] for r in sub]
+    outs = [r.token_ids[r.num_prompt_tokens : r.num_tokens - r.num_placeholders] for r in sub]
     # each output token as an index into the flattened logits: its row * V + the token
     out_keys = (torch.tensor(list(chain.from_iterable(outs)), dtype=torch.long)
                 + torch.repeat_interleave(torch.tensor(rows) * V, torch.tensor([len(o) for o in outs]))).to(dev)
@@ -215,6 +215,7 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.last: torch.Tensor | None = None  # the last call's tokens, on the device
 
     def make_generator(self, seed: int) -> SeededStream:
         return SeededStream(seed)
@@ -232,6 +233,7 @@ class Sampler:
         if rand:
             params = [reqs[i].params for i in rand]
             tokens[rand] = draw(logits[rand], params, [reqs[i].generator for i in rand], self.generator)
+        self.last = tokens  # (async scheduling: the next step's inputs, read on the device)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]

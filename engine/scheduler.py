@@ -87,6 +87,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
         self.bm = block_manager
+        self.max_model_len = max_model_len
         self.waiting = RequestQueue()  # first come, first served; the preempted go back to the front
         self.running = RequestQueue()  # admission order: the tail is preempted first
         # NOTE: the baselines never chunk, so their budget must fit the longest allowed prompt.
@@ -149,6 +150,8 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or req.is_prefilling:
                 continue  # preempted meanwhile, or mid-prompt
+            if req.num_placeholders and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+                continue  # its token in the running step (async scheduling) ends it: nothing more to compute
             req.draft = []  # _schedule_drafts may give it one
             if self._allocate_or_preempt(req, 1, batch):
                 batch.add(req, 1)
@@ -205,6 +208,8 @@ class Scheduler:
         partial = sum(1 for r in batch.reqs if r.is_prefilling)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(batch) < cfg.max_num_seqs:
             req = self.waiting.first()
+            if req.num_placeholders:
+                break  # preempted while its token was being sampled (async scheduling): back once it is known
             cached = self.bm.match_prefix(req)
             remaining = req.num_tokens - len(cached) * self.bm.block_size
             if chunked and remaining > 1 and partial >= cfg.max_num_partial_prefills:

@@ -51,6 +51,7 @@ class ServerConfig:
     speculative_adaptive: bool = True
     enforce_eager: bool = True
     async_output_proc: bool = False
+    async_scheduling: bool = False
     prefix_store: bool = True
     pin_system_prompt: tuple[str, ...] = ()
     # HTTP / WebSocket surface
@@ -100,6 +101,7 @@ class ServerConfig:
         kwargs["speculative_adaptive"] = self.speculative_adaptive
         kwargs["enforce_eager"] = self.enforce_eager
         kwargs["async_output_proc"] = self.async_output_proc
+        kwargs["async_scheduling"] = self.async_scheduling
         return kwargs
 
 
@@ -207,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make each step's outputs (the text of requests without stop strings, the output messages) "
                         "while the next step's forward runs on a thread of its own: off the step's critical path, "
                         "reported one step later (default: off)")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                   help="schedule and prepare each step while the last one runs, its new tokens still unknown (they "
+                        "reach the next forward on the device), and make the last step's outputs then too: the host's "
+                        "work off the step's critical path; not with speculative decoding or tensor parallelism "
+                        "(default: off)")
     e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
                    help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
                         "start instead of computing it (default: on)")

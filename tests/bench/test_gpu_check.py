@@ -55,8 +55,8 @@ def test_the_quantized_kv_rows_pass_on_the_interpreter() -> None:
 
 
 def test_the_workload_rows_run_end_to_end_in_a_dry_run() -> None:
-    """`bench/gpu_check.sh --only-workloads`, as a GPU session would run it, at the dry run's sizes: Sluice in both
-    modes and transformers on each offline load, then `sluice serve` in both modes under a WebSocket load. A GPU
+    """`bench/gpu_check.sh --only-workloads`, as a GPU session would run it, at the dry run's sizes: Sluice in each
+    mode and transformers on each offline load, then `sluice serve` in each mode under a WebSocket load. A GPU
     session is short: the plumbing (the transformers baseline, the server's flags, the client) must not be what
     fails there."""
     import subprocess
@@ -66,8 +66,8 @@ def test_the_workload_rows_run_end_to_end_in_a_dry_run() -> None:
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| offline", "| served"))]
-    assert len(rows) == 8 and all(line.endswith("| ok |") for line in rows), out.stdout
-    for mode in ("eager", "graphs + async outputs"):
+    assert len(rows) == 11 and all(line.endswith("| ok |") for line in rows), out.stdout
+    for mode in ("eager", "graphs + async outputs", "graphs + async scheduling"):
         assert sum(f"sluice, {mode}:" in line for line in rows) == 2
         assert sum(f"sluice serve, {mode}:" in line for line in rows) == 1
-    assert sum("× transformers)" in line for line in rows) == 4  # every Sluice row against the same run's baseline
+    assert sum("× transformers)" in line for line in rows) == 6  # every Sluice row against the same run's baseline

@@ -30,10 +30,10 @@ def graphed(eng: LLMEngine) -> dict[tuple[int, int], int]:
     used: dict[tuple[int, int], int] = {}
     stage = g.stage
 
-    def counted(reqs):
+    def counted(reqs, fill=None):
         key = (len(reqs), g.bucket(len(reqs)))
         used[key] = used.get(key, 0) + 1
-        return stage(reqs)
+        return stage(reqs, fill)
     g.stage = counted
     return used
 

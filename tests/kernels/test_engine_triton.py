@@ -66,7 +66,7 @@ for graphs in (False, True):
         r.graphs = r.decode_graphs(capture_sizes(4), capture=False)
         runs = []
         stage = r.graphs.stage
-        r.graphs.stage = lambda reqs: runs.append(len(reqs)) or stage(reqs)
+        r.graphs.stage = lambda reqs, fill=None: runs.append(len(reqs)) or stage(reqs, fill)
     toks.append([o.token_ids for o in eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0,
                                                                             ignore_eos=True) for m in (4, 2, 3)])])
 print(json.dumps({"eager": toks[0], "graphs": toks[1], "runs": runs}))

@@ -1,5 +1,5 @@
-"""`sluice serve --async-output-proc`: the same chats stream the same text as the shared server's plain loop, a
-cancelled chat ends as one, and the server exits cleanly (its forward thread with it)."""
+"""`sluice serve --async-output-proc` and `--async-scheduling`: the same chats stream the same text as the shared
+server's plain loop, a cancelled chat ends as one, and the server exits cleanly (its forward thread with it)."""
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +33,9 @@ async def _texts(url: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def test_served_streams_match_the_plain_loop(main_server, tmp_path) -> None:
-    server = start_server(tmp_path, *MAIN_FLAGS, "--async-output-proc")
+@pytest.mark.parametrize("flag", ["--async-output-proc", "--async-scheduling"])
+def test_served_streams_match_the_plain_loop(main_server, tmp_path, flag) -> None:
+    server = start_server(tmp_path, *MAIN_FLAGS, flag)
     try:
         async def run() -> None:
             overlapped = await _texts(server.ws_url)

@@ -34,7 +34,8 @@ def test_defaults_and_serve_word() -> None:
     c = ServerConfig()
     assert (c.host, c.port, c.api_key, c.prefix_caching) == ("127.0.0.1", 8000, None, True)
     assert c.engine_kwargs() == {"enable_prefix_caching": True, "prefix_store": True,  # the engine keeps its defaults
-                                 "speculative_adaptive": True, "enforce_eager": True, "async_output_proc": False}
+                                 "speculative_adaptive": True, "enforce_eager": True, "async_output_proc": False,
+                                 "async_scheduling": False}
     assert parse_config(["--no-enforce-eager"], {}).engine_kwargs()["enforce_eager"] is False
     assert parse_config([], {"SLUICE_ENFORCE_EAGER": "0"}).engine_kwargs()["enforce_eager"] is False
 
@@ -50,7 +51,7 @@ def test_flags(tmp_path) -> None:
     assert c.pin_system_prompt == (str(prompt),)
     assert c.engine_kwargs() == {"max_num_seqs": 8, "dtype": "float32", "scheduling": "static",
                                  "enable_prefix_caching": False, "prefix_store": True, "speculative_adaptive": True,
-                                 "enforce_eager": True, "async_output_proc": False}
+                                 "enforce_eager": True, "async_output_proc": False, "async_scheduling": False}
 
 
 def test_api_key_from_env_and_flag_wins() -> None:
@@ -82,6 +83,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_SPECULATIVE": "ngram", "SLUICE_NUM_SPECULATIVE_TOKENS": "6", "SLUICE_NGRAM_PROMPT_LOOKUP_MAX": "3",
         "SLUICE_NGRAM_PROMPT_LOOKUP_MIN": "1", "SLUICE_SPECULATIVE_DISABLE_BY_BATCH_SIZE": "4",
         "SLUICE_SPECULATIVE_ADAPTIVE": "no", "SLUICE_ENFORCE_EAGER": "off", "SLUICE_ASYNC_OUTPUT_PROC": "1",
+        "SLUICE_ASYNC_SCHEDULING": "yes",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -96,7 +98,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         kv_offload_gb=1.5, prefix_store=False, kv_cache_dtype="int8", tensor_parallel_size=2,
         speculative="ngram", num_speculative_tokens=6, ngram_prompt_lookup_max=3, ngram_prompt_lookup_min=1,
         speculative_disable_by_batch_size=4, speculative_adaptive=False, enforce_eager=False,
-        async_output_proc=True)
+        async_output_proc=True, async_scheduling=True)
 
 
 def test_flags_win_over_variables_and_empty_means_unset(tmp_path) -> None:
