@@ -326,13 +326,15 @@ class LLMEngine:
     # placeholders (`Request.num_placeholders`), its computed tokens counted (not yet published in the prefix cache),
     # and step N+1's forward reads those tokens on the device, after step N's sampling (the forward thread runs
     # jobs in order). Then step N's tokens come to the host and are committed, and its outputs made, while step N+1's
-    # forward runs. Its sampling goes after that commit, so penalties, stops and seeds see what the plain loop
-    # shows them.
+    # forward runs. Step N+1's sampling is queued at the start of the step after (`_sample`), after that commit and
+    # any abort or failure between the two, so penalties, stops and seeds see what the plain loop shows them.
 
     def _step_ahead(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         started = time.perf_counter()
         last, self._inflight = self._inflight, None
         try:
+            if last is not None and last.result is None:
+                self._sample(last)
             batch = self.scheduler.schedule()
             offloads, loads = self.block_manager.take_copies()
             if offloads or loads:  # on the forward thread: after the running step, which may write those blocks
@@ -355,19 +357,17 @@ class LLMEngine:
                     forward.exception()  # launched on tokens never sampled: it ran for nothing
                 raise
             if not ok:  # the last step failed and was run again: this one read none of its tokens (and waited)
+                self.scheduler.unadmit(batch)
                 return outputs
         if not batch:
             return outputs
-        launched = [i for i, s in enumerate(samples) if s]
-        gone = _drop_finished(batch, samples)  # ended by the commit just made, or aborted: their rows go
-        keep = [k for k, i in enumerate(launched) if i not in gone] if gone else None
-        f = _InFlight(batch, samples)
+        f = _InFlight(batch, samples, launched=[i for i, s in enumerate(samples) if s])
         if self.config.itl_slo_ms is not None:  # the step-cost model's features, before the step counts its tokens
             chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling]
             f.cost_x = (len(batch) - len(chunks), sum(n for _, n in chunks),
                         sum(attention_work(n, r.num_computed_tokens) for r, n in chunks))
         for r, n, s in zip(batch.reqs, batch.num_new_tokens, samples):
-            if r.status is Status.FINISHED:
+            if r.status is not Status.RUNNING:
                 continue
             f.prompt_tokens += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
             self.block_manager.advance(r, n)
@@ -375,8 +375,21 @@ class LLMEngine:
             if s:
                 r.token_ids.append(PLACEHOLDER)
                 r.num_placeholders += 1
-                f.rows[r] = len(f.rows)
-        f.rng = self._rng_state(batch)  # (no sampling runs now: the last one was waited for)
+                f.placed.append(r)
+            f.tables[r] = r.block_table
+        f.forward = forward
+        self._inflight = f
+        return outputs
+
+    def _sample(self, f: _InFlight) -> None:
+        """Queues a launched step's sampling behind its forward, at the start of the step after it: requests that
+        ended since it was launched (the last commit, `abort()`, `fail()`) are not sampled, as the plain loop would
+        not have run them (an unseeded draw would move every other request's)."""
+        gone = _drop_finished(f.batch, f.samples)
+        keep = [k for k, i in enumerate(f.launched) if i not in gone] if gone else None
+        f.rows = {r: j for j, r in enumerate(r for r, s in zip(f.batch.reqs, f.samples) if s)}
+        f.rng = self._rng_state(f.batch)  # (no sampling runs now: the last one was waited for)
+        batch, samples, forward = f.batch, f.samples, f.forward
 
         def sample() -> tuple[list, list]:
             self.runner.sampled = None  # if this fails, the next forward finds no tokens to read, not old ones
@@ -384,8 +397,6 @@ class LLMEngine:
             return self.runner.sample(batch, samples, logits if keep is None else logits[keep])
 
         f.result = self._forwards.submit(sample)
-        self._inflight = f
-        return outputs
 
     def _finish(self, f: _InFlight, after: Future | None, outputs: list[RequestOutput], started: float) -> bool:
         """Waits for a launched step's tokens, commits them, makes their outputs into `outputs`. False if the step
@@ -398,12 +409,16 @@ class LLMEngine:
             if after is not None:
                 after.exception()  # the forward thread is idle before the step runs again on this one
             self._undo(f)
+            # run again without the requests the next step's scheduling preempted (maybe readmitted): nothing of
+            # theirs is computed any more, and the waiting queue brings them back
+            rows = [i for i, r in enumerate(f.batch.reqs) if f.tables.get(r) is r.block_table]
+            f.batch, f.samples = _subset(f.batch, rows), [f.samples[i] for i in rows]
             tokens, logprobs = self._recover(f.batch, f.samples, f.rng, e, outputs)
             self._count_prompt_tokens(f.batch)
             self.scheduler.postprocess(f.batch)
             ok = False
         if ok:
-            for r in f.rows:
+            for r in f.placed:
                 r.token_ids.pop()  # the placeholder: `_commit` appends the token
                 r.num_placeholders -= 1
             for r, _ in f.advanced:
@@ -424,9 +439,9 @@ class LLMEngine:
         """A launched step that failed: its requests back where it found them (its computed tokens not counted, no
         placeholder), so it can run again."""
         for r, n in f.advanced:
-            if r.status is Status.RUNNING:  # (preempted meanwhile: nothing computed any more)
+            if f.tables[r] is r.block_table:  # (preempted meanwhile, maybe readmitted: its count is another's)
                 self.block_manager.advance(r, -n)
-        for r in f.rows:
+        for r in f.placed:
             r.token_ids.pop()
             r.num_placeholders -= 1
 
@@ -492,8 +507,8 @@ class LLMEngine:
         in halves, outputs discarded, down to those that fail alone, and drop only them (`StepError`). The rest
         are not committed and run again from the next step. If no request fails alone, all of them are dropped."""
         _drop_finished(batch, samples)  # in place: the step's loop then skips their rows of the result
-        keep = [i for i, r in enumerate(batch.reqs) if r.status is not Status.FINISHED]
-        if len(keep) < len(batch):  # some failed while it ran (`_emit_pending`): retried without them
+        keep = [i for i, r in enumerate(batch.reqs) if r.status is Status.RUNNING]
+        if len(keep) < len(batch):  # some failed (`_emit_pending`) or were preempted (async scheduling) meanwhile
             if not keep:  # nothing of it is left to run
                 return [], []
             batch, samples = _subset(batch, keep), [samples[i] for i in keep]
@@ -551,7 +566,7 @@ class LLMEngine:
 
     def _count_prompt_tokens(self, batch: Batch) -> None:
         for r, n in zip(batch.reqs, batch.num_new_tokens):
-            if r.status is Status.FINISHED:  # failed while its step ran (its blocks, and count, are gone)
+            if r.status is not Status.RUNNING:  # failed or preempted while its step ran (its blocks are gone)
                 continue
             self.prompt_tokens_computed += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
 
@@ -790,9 +805,10 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
 
 
 def _drop_finished(batch: Batch, samples: list[bool]) -> set[int]:
-    """Clears, in place, the sample of each request of `batch` that finished while its step ran (a request that
-    failed in `LLMEngine._emit_pending`); returns the rows it cleared."""
-    gone = {i for i, (r, s) in enumerate(zip(batch.reqs, samples)) if s and r.status is Status.FINISHED}
+    """Clears, in place, the sample of each request of `batch` that left the running set while its step ran (a
+    request that failed in `LLMEngine._emit_pending`; under async scheduling one the next step's commit ended or
+    its scheduling preempted); returns the rows it cleared."""
+    gone = {i for i, (r, s) in enumerate(zip(batch.reqs, samples)) if s and r.status is not Status.RUNNING}
     for i in gone:
         samples[i] = False
     return gone
@@ -853,17 +869,22 @@ class _Emit:
 
 @dataclass(eq=False)
 class _InFlight:
-    """A step launched under async scheduling whose tokens are not committed yet: its result (the sampling's, on
-    the forward thread), the generators before it sampled, each sampled request's row in it (with a placeholder:
-    what the next step's forward reads), what it counted computed ahead of time, the prompt tokens it computes and,
-    with an ITL target, its step-cost features."""
+    """A step launched under async scheduling whose tokens are not committed yet: its forward and its result (the
+    sampling's, on the forward thread), the generators before it sampled, each sampled request's row in it (what
+    the next step's forward reads), the requests it gave a placeholder, what it counted computed ahead of time and
+    the block table each request had then (a new table: preempted since), the prompt tokens it computes and, with
+    an ITL target, its step-cost features."""
 
     batch: Batch
     samples: list[bool]
-    result: Future | None = None
+    launched: list[int]  # the rows its forward computes logits for
+    forward: Future | None = None
+    result: Future | None = None  # None until its sampling is queued (`_sample`)
     rng: list = field(default_factory=list)
     rows: dict[Request, int] = field(default_factory=dict)
+    placed: list[Request] = field(default_factory=list)
     advanced: list[tuple[Request, int]] = field(default_factory=list)
+    tables: dict[Request, list[int]] = field(default_factory=dict)  # each request's block table when it launched
     prompt_tokens: int = 0
     cost_x: tuple[int, int, float] | None = None
 

@@ -60,6 +60,7 @@ class RequestQueue:
 class Batch:
     reqs: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # taken from the waiting queue for this step, in order
     _members: set[Request] = field(default_factory=set, init=False, repr=False)
 
     def add(self, req: Request, n: int) -> None:
@@ -225,6 +226,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             batch.add(req, n)
+            batch.admitted.append(req)
             budget -= n
             admitted += 1
             partial += remaining > 1
@@ -260,6 +262,17 @@ class Scheduler:
                 return r
         return None
 
+    def unadmit(self, batch: Batch) -> None:
+        """Puts the requests `batch` admitted back at the front of the waiting queue, in their order, their blocks
+        freed: the step was dropped before it computed anything (async scheduling), and the policies that never
+        chunk schedule a prompt only on admission."""
+        for req in reversed(batch.admitted):
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
+                self.bm.free(req)
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
+
     def _preempt(self, req: Request) -> None:
         req.draft = []
         self.running.remove(req)
@@ -272,9 +285,10 @@ class Scheduler:
 
     def postprocess(self, batch: Batch) -> None:
         """Commits the step's tokens but draft tokens (the engine commits those verification kept); not for a
-        request that ended while the step ran (the engine's `async_output_proc`)."""
+        request that ended while the step ran (the engine's `async_output_proc`), or was preempted (a failed step
+        run again under async scheduling)."""
         for req, n in zip(batch.reqs, batch.num_new_tokens):
-            if req.status is not Status.FINISHED:
+            if req.status is Status.RUNNING:
                 self.bm.commit(req, n - len(req.draft))
 
     def finish(self, req: Request, reason: str) -> None:

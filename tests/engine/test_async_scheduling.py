@@ -196,7 +196,7 @@ def test_a_rebuild_that_keeps_the_pool_waits_for_the_step_in_flight(tiny_model_d
     inflight, done = eng._inflight, []
     eng._forwards.submit(lambda: (time.sleep(0.3), done.append(True)))  # still queued when the engine is rebuilt
     new = eng.rebuilt(keep_cache=True)
-    assert inflight.result.done() and done == [True]
+    assert inflight.forward.done() and done == [True]
     new.add_request("b", _prompts()[1], GREEDY)
     while new.has_unfinished():
         new.step()
@@ -212,3 +212,66 @@ def test_an_itl_target_sizes_chunks_from_the_loops_period(tiny_model_dir):
     eng = engine(tiny_model_dir, True, itl_slo_ms=40.0, max_num_batched_tokens=64)
     assert tokens(streams(eng, prompts, ps)) == tokens(plain)
     assert eng.scheduler.step_cost.steps > 0
+
+
+def test_a_failed_step_whose_request_the_next_step_preempted(tiny_model_dir):
+    """A tight pool: scheduling the next step preempts requests of the running one. When the running one then
+    fails, its preempted requests are left out of the rerun (nothing of them is computed any more; they come back
+    from the waiting queue), and the streams are still the plain loop's."""
+    tight = {"max_num_batched_tokens": 32, "num_kv_blocks": 24, "block_size": 8}
+    ps = [GREEDY, SEEDED, GREEDY, SEEDED, GREEDY]
+    probe, launches = engine(tiny_model_dir, True, **tight), []  # which launches come after a preempting schedule
+    launch = probe.runner.launch
+    probe.runner.launch = lambda b, s, p=None: (launches.append(probe.scheduler.num_preemptions), launch(b, s, p))[1]
+    _run(probe, ps)
+    preempting = [i for i in range(1, len(launches)) if launches[i] > launches[i - 1]]
+    assert preempting
+    preempted_in_failed = []
+    for at in preempting[:4]:  # the step running while the one launched after it (`at + 1`) preempted
+        ahead = engine(tiny_model_dir, True, **tight)
+        undo = ahead._undo
+        ahead._undo = lambda f: (preempted_in_failed.append(any(r.status.value == "waiting" for r, _ in f.advanced)),
+                                 undo(f))[1]
+        runs = [_run(eng, ps, lambda e: _failing_forward(e, at))
+                for eng in (engine(tiny_model_dir, False, **tight), ahead)]
+        assert runs[0] == runs[1] and runs[1][1] == [], at
+    assert any(preempted_in_failed)
+
+
+@pytest.mark.parametrize("policy", ["mixed", "prefill_first", "static"])
+def test_the_prompts_a_dropped_step_admitted_are_admitted_again(tiny_model_dir, policy):
+    """A step fails; the step launched after it, which admitted a new prompt, is dropped: the prompt goes back to
+    the front of the waiting queue (the policies that never chunk schedule a prompt only on admission) and runs."""
+    kw = {"scheduling": policy, **({"max_num_seqs": 3} if policy == "static" else {})}
+    eng = engine(tiny_model_dir, True, **kw)
+    eng.add_request("r0", _prompts()[0], GREEDY)
+    _failing_forward(eng, 4)
+    for _ in range(4):
+        eng.step()
+    eng.add_request("late", _prompts()[1], GREEDY)  # admitted by the step launched next, then dropped
+    got: dict[str, int] = {}
+    for _ in range(300):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            got[o.request_id] = got.get(o.request_id, 0) + len(o.new_token_ids)
+    assert got == {"r0": 30 - 3, "late": 30} and not eng.has_unfinished()
+
+
+def test_a_request_failed_between_steps_is_not_sampled(tiny_model_dir):
+    """The server fails a request between two steps (its output could not be delivered: `fail()`) while the next
+    step, launched already, holds it: that step does not sample it, so the other requests' unseeded draws are the
+    plain loop's."""
+    def run(ahead: bool) -> dict[str, list[int]]:
+        eng = engine(tiny_model_dir, ahead)
+        for i in range(3):
+            eng.add_request(f"r{i}", _prompts()[i], RANDOM)
+        got: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.request_id == "r1" and len(got["r1"]) == 6 and o.new_token_ids:
+                    eng.fail("r1", RuntimeError("delivery failed"))
+        return got
+    plain, ahead = run(False), run(True)
+    assert len(plain["r1"]) == 6 and plain == ahead
