@@ -337,8 +337,9 @@ class LLMEngine:
                 self._sample(last)
             batch = self.scheduler.schedule()
             offloads, loads = self.block_manager.take_copies()
+            copies = None
             if offloads or loads:  # on the forward thread: after the running step, which may write those blocks
-                self._forwards.submit(lambda: self.runner.copy_blocks(offloads, loads))
+                copies = self._forwards.submit(lambda: _copy(self.runner, offloads, loads))
             forward, samples = None, []
             if batch:
                 samples = batch.samples()
@@ -349,12 +350,17 @@ class LLMEngine:
         except BaseException:
             self._inflight = last  # the next step commits it
             raise
+        if copies is not None and copies.exception() is not None:  # (a `DeviceError`: the engine is done)
+            if forward is not None:
+                forward.exception()
+            raise copies.exception()
         if last is not None:
             try:
                 ok = self._finish(last, forward, outputs, started)
             except BaseException:
                 if forward is not None:
                     forward.exception()  # launched on tokens never sampled: it ran for nothing
+                self.scheduler.unadmit(batch)
                 raise
             if not ok:  # the last step failed and was run again: this one read none of its tokens (and waited)
                 self.scheduler.unadmit(batch)
@@ -561,7 +567,7 @@ class LLMEngine:
         if not (offloads or loads):
             return 0.0
         before = self.runner.copy_seconds
-        self.runner.copy_blocks(offloads, loads)
+        _copy(self.runner, offloads, loads)
         return self.runner.copy_seconds - before
 
     def _count_prompt_tokens(self, batch: Batch) -> None:
@@ -802,6 +808,15 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
     if ckpt.rng_state is not None and req.generator is not None:
         req.generator.set_state(ckpt.rng_state)
     req.announced = bool(out)  # its caller saw it start (else the new engine announces it, as a new request)
+
+
+def _copy(runner: ModelRunner, offloads: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+    """The host tier's copies. One that fails leaves blocks counted as cached without their KV: a `DeviceError`, so
+    a rebuilt engine does not keep this one's cache."""
+    try:
+        runner.copy_blocks(offloads, loads)
+    except Exception as e:
+        raise DeviceError(f"a copy between the KV pool and the host tier failed ({e!r})") from e
 
 
 def _drop_finished(batch: Batch, samples: list[bool]) -> set[int]:

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams, StepError
+from engine.engine import DeviceError
 from engine.cuda_graphs import capture_sizes
 from tests.engine.test_async_output import _break_detok, _run, params, streams
 from tests.engine.test_spec import _prompts
@@ -239,23 +240,50 @@ def test_a_failed_step_whose_request_the_next_step_preempted(tiny_model_dir):
 
 
 @pytest.mark.parametrize("policy", ["mixed", "prefill_first", "static"])
-def test_the_prompts_a_dropped_step_admitted_are_admitted_again(tiny_model_dir, policy):
-    """A step fails; the step launched after it, which admitted a new prompt, is dropped: the prompt goes back to
-    the front of the waiting queue (the policies that never chunk schedule a prompt only on admission) and runs."""
+@pytest.mark.parametrize("culprit", [False, True])
+def test_the_prompts_a_dropped_step_admitted_are_admitted_again(tiny_model_dir, policy, culprit):
+    """A step fails (once, or for good: r0 fails alone, `StepError`); the step launched after it, which admitted a
+    new prompt, is dropped: the prompt goes back to the front of the waiting queue (the policies that never chunk
+    schedule a prompt only on admission) and runs."""
     kw = {"scheduling": policy, **({"max_num_seqs": 3} if policy == "static" else {})}
     eng = engine(tiny_model_dir, True, **kw)
     eng.add_request("r0", _prompts()[0], GREEDY)
-    _failing_forward(eng, 4)
+    _failing_forward(eng, 4, "r0" if culprit else None)
     for _ in range(4):
         eng.step()
     eng.add_request("late", _prompts()[1], GREEDY)  # admitted by the step launched next, then dropped
     got: dict[str, int] = {}
+    errors = []
     for _ in range(300):
         if not eng.has_unfinished():
             break
-        for o in eng.step():
+        try:
+            outs = eng.step()
+        except StepError as e:
+            errors.append(e.request_ids)
+            outs = e.outputs
+        for o in outs:
             got[o.request_id] = got.get(o.request_id, 0) + len(o.new_token_ids)
-    assert got == {"r0": 30 - 3, "late": 30} and not eng.has_unfinished()
+    assert got["late"] == 30 and not eng.has_unfinished()
+    assert errors == ([["r0"]] if culprit else []) and (culprit or got["r0"] == 30 - 3)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_failed_host_tier_copy_is_a_device_error(tiny_model_dir, ahead):
+    """A copy between the pool and the host tier fails: the blocks it fills count as cached already, so the step
+    raises `DeviceError` (a rebuilt engine does not keep this cache), with or without async scheduling."""
+    eng = engine(tiny_model_dir, ahead, **SETUPS["host-tier"])
+    copies, n = eng.runner.copy_blocks, [0]
+
+    def failing(offloads, loads):
+        n[0] += 1
+        if n[0] == 3:
+            raise RuntimeError("copy failed")
+        return copies(offloads, loads)
+    eng.runner.copy_blocks = failing
+    with pytest.raises(DeviceError, match="host tier"):
+        for _ in range(2):
+            streams(eng, _prompts() + [_prompts()[0], _prompts()[2]], all_params(eng))
 
 
 def test_a_request_failed_between_steps_is_not_sampled(tiny_model_dir):
