@@ -238,8 +238,8 @@ class ModelRunner:
         `async_output_proc` and `async_scheduling`). The forward returns the sampled rows' logits.
 
         `placeholders` (async scheduling): {row: j} for the rows whose last input token is the j-th token the last
-        step samples (`Request.num_placeholders`): the forward reads them from the sampler's last tokens, on the
-        device, so it must run after that step's sampling."""
+        step samples (`Request.num_placeholders`): the forward reads them from `sampled`, on the device, so it must
+        run after that step's sampling."""
         rows = [i for i, s in enumerate(samples) if s]
         # with nothing to sample, one row still goes through the LM head: the forward fills the KV cache
         self.draft_work = (0, 0, 0.0)
