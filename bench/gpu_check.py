@@ -344,6 +344,7 @@ MODES = {"eager": {}, "graphs": {"enforce_eager": False},
          "graphs + async scheduling": {"enforce_eager": False, "async_scheduling": True}}
 WORKLOAD_MODES = {m: MODES[m] for m in ("eager", "graphs + async outputs", "graphs + async scheduling")}
 VOCAB = {"cuda": 8192, "cpu": 1024}  # the tiny tokenizer builder's BPE vocabulary
+DTYPE = {"cuda": "bfloat16", "cpu": "float32"}  # the engine sections' model dtype (fp32 where the dry run has no bf16)
 _MODELS: dict[str, str] = {}
 
 
@@ -368,7 +369,7 @@ def engine_rows(
 
     def engine() -> tuple[object, int]:
         if "eng" not in state:
-            dtype = "bfloat16" if dev == "cuda" else "float32"
+            dtype = DTYPE[dev]
             path, vocab = model_dir(dev, dtype)
             state["eng"] = LLMEngine(EngineConfig(
                 model=path, dtype=dtype, device=dev,
@@ -480,7 +481,7 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
 
     def measured(mode: str) -> dict[int, tuple[float, float]]:
         if mode not in state:
-            eng = engine("bfloat16" if dev == "cuda" else "float32", mode)
+            eng = engine(DTYPE[dev], mode)
             state[mode] = {bs: decode(eng, bs) for bs in batches}
             eng.close()
         return state[mode]
@@ -554,7 +555,7 @@ def workload_rows(dev: str) -> list[Callable[[], list[Row]]]:
     from bench.hf import HFStatic
     from engine import EngineConfig
 
-    dtype = "bfloat16" if dev == "cuda" else "float32"
+    dtype = DTYPE[dev]
     max_len = 4096 if dev == "cuda" else 1024
 
     def free() -> None:
@@ -623,9 +624,9 @@ def workload_rows(dev: str) -> list[Callable[[], list[Row]]]:
 
         run = Run(model_dir=Path(path), dtype=dtype, threads=os.cpu_count() or 1, quick=dev != "cuda",
                   out_dir=Path(tempfile.mkdtemp(prefix="sluice-gpu-serve-")))
+        longest = system_len * 2 + user_len[1] + max_tokens  # the tokenizer's round trip can lengthen the text
         out = []
         for mode, flags in WORKLOAD_MODES.items():
-            longest = system_len * 2 + user_len[1] + max_tokens  # the tokenizer's round trip can lengthen the text
             args = ["--device", dev, "--max-num-seqs", str(n), "--max-model-len", str(max_len),
                     "--num-kv-blocks", str(blocks(n, longest)), "--seed", "0",
                     *(f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in flags.items())]

@@ -285,9 +285,7 @@ class LLMEngine:
         spec = self.scheduler.spec
         timed = self.config.itl_slo_ms is not None or spec is not None  # the step-cost model wants this step
         if timed:  # what it needs of the step, before commit: the rest decode, some of them with a draft
-            chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling]
-            cost_x = (len(batch) - len(chunks), sum(n for _, n in chunks),
-                      sum(attention_work(n, r.num_computed_tokens) for r, n in chunks))
+            cost_x = _cost_features(batch)
             drafting = [r for r in batch.reqs if r.draft]  # (the scheduler's drafts: cleared as outputs are made)
             drafts = sum(len(r.draft) for r in drafting)
         rng = self._rng_state(batch)
@@ -368,14 +366,12 @@ class LLMEngine:
         if not batch:
             return outputs
         f = _InFlight(batch, samples, launched=[i for i, s in enumerate(samples) if s])
-        if self.config.itl_slo_ms is not None:  # the step-cost model's features, before the step counts its tokens
-            chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling]
-            f.cost_x = (len(batch) - len(chunks), sum(n for _, n in chunks),
-                        sum(attention_work(n, r.num_computed_tokens) for r, n in chunks))
+        if self.config.itl_slo_ms is not None:  # before the step counts its tokens
+            f.cost_x = _cost_features(batch)
         for r, n, s in zip(batch.reqs, batch.num_new_tokens, samples):
             if r.status is not Status.RUNNING:
                 continue
-            f.prompt_tokens += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
+            f.prompt_tokens += _prompt_tokens(r, n)
             self.block_manager.advance(r, n)
             f.advanced.append((r, n))
             if s:
@@ -392,7 +388,7 @@ class LLMEngine:
         ended since it was launched (the last commit, `abort()`, `fail()`) are not sampled, as the plain loop would
         not have run them (an unseeded draw would move every other request's)."""
         gone = _drop_finished(f.batch, f.samples)
-        keep = [k for k, i in enumerate(f.launched) if i not in gone] if gone else None
+        keep = _kept_rows(f.batch, f.launched, gone) if gone else None
         f.rows = {r: j for j, r in enumerate(r for r, s in zip(f.batch.reqs, f.samples) if s)}
         f.rng = self._rng_state(f.batch)  # (no sampling runs now: the last one was waited for)
         batch, samples, forward = f.batch, f.samples, f.forward
@@ -424,9 +420,7 @@ class LLMEngine:
             self.scheduler.postprocess(f.batch)
             ok = False
         if ok:
-            for r in f.placed:
-                r.token_ids.pop()  # the placeholder: `_commit` appends the token
-                r.num_placeholders -= 1
+            f.unplace()  # `_commit` appends the tokens
             for r, _ in f.advanced:
                 if r.status is Status.RUNNING:
                     self.block_manager.publish(r)
@@ -447,9 +441,7 @@ class LLMEngine:
         for r, n in f.advanced:
             if f.tables[r] is r.block_table:  # (preempted meanwhile, maybe readmitted: its count is another's)
                 self.block_manager.advance(r, -n)
-        for r in f.placed:
-            r.token_ids.pop()
-            r.num_placeholders -= 1
+        f.unplace()
 
     # -- when the model fails ----------------------------------------------------------------
     # Nothing of a step is kept until `scheduler.postprocess` commits it: a request the failed step held still
@@ -492,17 +484,10 @@ class LLMEngine:
         finally:
             forward.exception()  # NOTE: whatever happened here, the forward is done before anything else runs
         logits = forward.result()
-        sampled = [i for i, s in enumerate(samples) if s]
+        launched = [i for i, s in enumerate(samples) if s]
         if gone := _drop_finished(batch, samples):
-            # failed while it ran: not sampled (an unseeded draw would move every other request's); its logits rows
-            # (one, and one per draft token) go
-            rows, start = [], 0
-            for i in sampled:
-                n = 1 + len(batch.reqs[i].draft)
-                if i not in gone:
-                    rows += range(start, start + n)
-                start += n
-            logits = logits[rows]
+            # failed while it ran: not sampled (an unseeded draw would move every other request's)
+            logits = logits[_kept_rows(batch, launched, gone)]
         # NOTE: on the forward thread too: torch's CPU ops keep a pool of OpenMP threads per calling thread, and with
         # the sampler on the engine thread (a second pool) the forward ran 28% slower at batch 64 on two cores
         return self._forwards.submit(lambda: self.runner.sample(batch, samples, logits)).result()
@@ -574,7 +559,7 @@ class LLMEngine:
         for r, n in zip(batch.reqs, batch.num_new_tokens):
             if r.status is not Status.RUNNING:  # failed or preempted while its step ran (its blocks are gone)
                 continue
-            self.prompt_tokens_computed += max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
+            self.prompt_tokens_computed += _prompt_tokens(r, n)
 
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> _Emit:
         """A step's new tokens for `req` (more than one when verification kept draft tokens), in order, until one
@@ -596,7 +581,7 @@ class LLMEngine:
                 e.text_ids.append(token)  # no stop string to find: the text can wait
             elif req.detok.add_token(token):
                 reason, matched_stop_string = "stop", True
-            if reason is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            if reason is None and req.reached_length(self.max_model_len):
                 reason = "length"
             if reason is not None and not matched_stop_string:
                 if not p.stop:
@@ -819,6 +804,19 @@ def _copy(runner: ModelRunner, offloads: list[tuple[int, int]], loads: list[tupl
         raise DeviceError(f"a copy between the KV pool and the host tier failed ({e!r})") from e
 
 
+def _cost_features(batch: Batch) -> tuple[int, int, float]:
+    """The step-cost model's features of a step (engine/step_cost.py): its decodes, its prompt tokens, their
+    attention work."""
+    chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling]
+    return (len(batch) - len(chunks), sum(n for _, n in chunks),
+            sum(attention_work(n, r.num_computed_tokens) for r, n in chunks))
+
+
+def _prompt_tokens(req: Request, n: int) -> int:
+    """How many of the `n` tokens a step computes for `req` are its prompt's."""
+    return max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+
+
 def _drop_finished(batch: Batch, samples: list[bool]) -> set[int]:
     """Clears, in place, the sample of each request of `batch` that left the running set while its step ran (a
     request that failed in `LLMEngine._emit_pending`; under async scheduling one the next step's commit ended or
@@ -827,6 +825,17 @@ def _drop_finished(batch: Batch, samples: list[bool]) -> set[int]:
     for i in gone:
         samples[i] = False
     return gone
+
+
+def _kept_rows(batch: Batch, launched: list[int], gone: set[int]) -> list[int]:
+    """The forward's logits rows of the `launched` rows (one each, and one per draft token) but those of `gone`."""
+    rows, start = [], 0
+    for i in launched:
+        n = 1 + len(batch.reqs[i].draft)
+        if i not in gone:
+            rows += range(start, start + n)
+        start += n
+    return rows
 
 
 def _subset(batch: Batch, rows: list[int]) -> Batch:
@@ -902,6 +911,12 @@ class _InFlight:
     tables: dict[Request, list[int]] = field(default_factory=dict)  # each request's block table when it launched
     prompt_tokens: int = 0
     cost_x: tuple[int, int, float] | None = None
+
+    def unplace(self) -> None:
+        """Takes its placeholders out of its requests' tokens."""
+        for r in self.placed:
+            r.token_ids.pop()
+            r.num_placeholders -= 1
 
 
 def _restore(rng: list[tuple[torch.Generator | SeededStream, torch.Tensor]]) -> None:

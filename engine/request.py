@@ -136,6 +136,10 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    def reached_length(self, max_model_len: int) -> bool:
+        """Its tokens end it by length: `max_tokens` of output, or the whole context."""
+        return self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len
+
     @property
     def is_prefilling(self) -> bool:
         """More than one token lacks KV: the request is (re)computing its prompt."""

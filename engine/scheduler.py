@@ -151,7 +151,7 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or req.is_prefilling:
                 continue  # preempted meanwhile, or mid-prompt
-            if req.num_placeholders and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            if req.num_placeholders and req.reached_length(self.max_model_len):
                 continue  # its token in the running step (async scheduling) ends it: nothing more to compute
             req.draft = []  # _schedule_drafts may give it one
             if self._allocate_or_preempt(req, 1, batch):
