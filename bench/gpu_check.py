@@ -336,10 +336,12 @@ MODEL_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, 
                  head_dim=64, intermediate_size=4864, max_position_embeddings=4096, tie_word_embeddings=True)
 MODEL_DRY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=128, max_position_embeddings=1024)
-# Sluice's configurations under test: the defaults, CUDA graphs, and graphs with the step loop's two overlaps (the
-# outputs made while the next forward runs; the next step scheduled and launched before the last one's tokens are
-# known). A dry run has no graphs to capture: its buckets run eagerly on the graphs' buffers.
+# Sluice's configurations under test: the defaults, CUDA graphs (decode and mixed steps; decode steps only), and
+# graphs with the step loop's two overlaps (the outputs made while the next forward runs; the next step scheduled and
+# launched before the last one's tokens are known). A dry run has no graphs to capture: its buckets run eagerly on the
+# graphs' buffers.
 MODES = {"eager": {}, "graphs": {"enforce_eager": False},
+         "graphs (decode only)": {"enforce_eager": False, "cudagraph_mode": "full_decode_only"},
          "graphs + async outputs": {"enforce_eager": False, "async_output_proc": True},
          "graphs + async scheduling": {"enforce_eager": False, "async_scheduling": True}}
 WORKLOAD_MODES = {m: MODES[m] for m in ("eager", "graphs + async outputs", "graphs + async scheduling")}
@@ -412,19 +414,20 @@ def engine_rows(
     return [lambda bs=bs: row(bs) for bs in batches]
 
 
-def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Row]]:
+def graph_rows(dev: str, batches: list[int], steps: int, mixed: tuple[int, int]) -> list[Callable[[], Row]]:
     """Decode steps replayed from CUDA graphs against the same steps run eagerly (engine/cuda_graphs.py): ms per
     step and the GPU's busy share of it (kernel time from torch.profiler over the step's wall time) at each batch
-    size, bf16; then greedy tokens of both in fp32. A dry run replays nothing: the buckets run eagerly on the graphs'
-    buffers (logic only)."""
+    size, bf16; mixed steps (`mixed` = (decodes, prompt tokens) per step) with graphs for them, with decode graphs
+    only, and eager; then greedy tokens of every mode in fp32. A dry run replays nothing: the buckets run eagerly on
+    the graphs' buffers (logic only)."""
     import gc
 
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.cuda_graphs import capture_sizes
+    from engine.cuda_graphs import capture_sizes, token_sizes
 
     vocab = VOCAB[dev]
 
-    def engine(dtype: str, mode: str) -> LLMEngine:
+    def engine(dtype: str, mode: str, budget: int = 8192) -> LLMEngine:
         kw = dict(MODES[mode])
         graphs = not kw.pop("enforce_eager", True)
         if graphs and dev == "cuda":
@@ -436,25 +439,35 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
         if dev == "cuda":
             torch.cuda.empty_cache()
         eng = LLMEngine(EngineConfig(model=model_dir(dev, dtype)[0], dtype=dtype, device=dev, max_num_seqs=max(batches),
-                                     max_num_batched_tokens=8192, max_model_len=1024, num_kv_blocks=4096,
+                                     max_num_batched_tokens=budget, max_model_len=1024, num_kv_blocks=4096,
                                      enforce_eager=not (graphs and dev == "cuda"), **kw))
         if graphs and dev != "cuda":
-            eng.runner.graphs = eng.runner.decode_graphs(capture_sizes(max(batches)), capture=False)
+            mixed_tokens = token_sizes(eng.config.max_num_batched_tokens) if eng.config.cudagraph_mode == "full" else []
+            eng.runner.graphs = eng.runner.step_graphs(capture_sizes(max(batches)), mixed_tokens, capture=False)
         return eng
 
-    def decode(eng: LLMEngine, bs: int) -> tuple[float, float]:
-        """(ms per decode step, GPU busy share) for `bs` requests at 128 tokens of context and up."""
+    def decode(eng: LLMEngine, bs: int, chunk: int = 0) -> tuple[float, float]:
+        """(ms per step, GPU busy share) for `bs` requests decoding at 128 tokens of context and up; with `chunk`,
+        each step also computes a new prompt of that many tokens (which samples its one token and ends)."""
         g = torch.Generator().manual_seed(bs)
         for i in range(bs):
             eng.add_request(f"d{bs}-{i}", torch.randint(3, vocab, (128,), generator=g).tolist(),
-                            SamplingParams(max_tokens=2 * steps + 16, temperature=0.0, ignore_eos=True))
+                            SamplingParams(max_tokens=3 * steps + 16, temperature=0.0, ignore_eos=True))
         while len(eng.scheduler.running) < bs or any(r.is_prefilling for r in eng.scheduler.running):
             eng.step()
-        for _ in range(3):  # warm: the steps after prefill, at this batch size
+        prompts = iter(range(10**6))
+
+        def step() -> None:
+            if chunk:  # a prompt of its own each step: nothing cached
+                eng.add_request(f"p{bs}-{next(prompts)}", torch.randint(3, vocab, (chunk,), generator=g).tolist(),
+                                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             eng.step()
+
+        for _ in range(3):  # warm: the steps after prefill, at this batch size
+            step()
         t = time.perf_counter()
         for _ in range(steps):
-            eng.step()  # each ends on the host: the sampled tokens were read
+            step()  # each ends on the host: the sampled tokens were read
         ms = (time.perf_counter() - t) / steps * 1e3
         busy = float("nan")
         if dev == "cuda":
@@ -463,7 +476,7 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
             try:  # the share is worth a row's notes, not the row
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(steps // 2):
-                        eng.step()
+                        step()
                     torch.cuda.synchronize()
                 # kernels only: an op's own entry carries its kernels' time too, which would count them twice
                 kernel_ms = sum(e.self_device_time_total for e in prof.key_averages()
@@ -480,9 +493,11 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
     state: dict[str, dict[int, tuple[float, float]]] = {}
 
     def measured(mode: str) -> dict[int, tuple[float, float]]:
+        """Each batch's decode steps, and under key -1 the mixed steps, in this mode."""
         if mode not in state:
             eng = engine(DTYPE[dev], mode)
-            state[mode] = {bs: decode(eng, bs) for bs in batches}
+            state[mode] = {bs: decode(eng, bs) for bs in batches} if mode != "graphs (decode only)" else {}
+            state[mode][-1] = decode(eng, *mixed)
             eng.close()
         return state[mode]
 
@@ -497,9 +512,22 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
         r.tok_s = f"{bs / g_ms * 1e3:,.0f} vs {bs / e_ms * 1e3:,.0f} (ahead: {bs / a_ms * 1e3:,.0f})"
         return r
 
+    def mixed_row() -> Row:
+        pct = lambda x: "–" if x != x else f"{x:.0%}"  # noqa: E731 (nan: not measured)
+        modes = ("graphs", "graphs (decode only)", "eager")
+        got = {m: measured(m)[-1] for m in modes}
+        r = Row("mixed step: graphs vs decode-only graphs vs eager",
+                f"{'0.5B-shaped bf16' if dev == 'cuda' else 'tiny fp32'}, {mixed[0]} decodes + a {mixed[1]}-token "
+                f"prompt per step, ms/step {' vs '.join(f'{got[m][0]:.2f}' for m in modes)}, GPU busy "
+                f"{' vs '.join(pct(got[m][1]) for m in modes)}")
+        r.triton_ms, r.ref_ms = f"{got['graphs'][0]:.2f}", f"{got['eager'][0]:.2f}"
+        r.tok_s = " vs ".join(f"{(mixed[0] + 1) / got[m][0] * 1e3:,.0f}" for m in modes)
+        return r
+
     def same_tokens() -> Row:
         """7 prompts (one past 512 tokens: two KV splits in the graphs), ending at different steps: the batch
-        shrinks through padded buckets (7 in 8, 5 in 8, 3 in 4). In every mode of MODES."""
+        shrinks through padded buckets (7 in 8, 5 in 8, 3 in 4); a budget of 256 tokens cuts the long prompt into
+        chunks beside decodes. In every mode of MODES."""
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 128, 600, 17, 64, 9)]
         longest = 32 if dev == "cuda" else 4
@@ -507,7 +535,7 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
                   for i in range(len(prompts))]
         toks = {}
         for mode in MODES:
-            eng = engine("float32", mode)
+            eng = engine("float32", mode, budget=256)
             toks[mode] = [o.token_ids for o in eng.generate(prompts, params)]
             eng.close()
         r = Row(f"greedy tokens: {', '.join(MODES)}", f"fp32, {len(prompts)} prompts, up to {longest} tokens")
@@ -519,7 +547,7 @@ def graph_rows(dev: str, batches: list[int], steps: int) -> list[Callable[[], Ro
                                "sequences differ")
         return r
 
-    return [lambda bs=bs: row(bs) for bs in batches] + [same_tokens]
+    return [lambda bs=bs: row(bs) for bs in batches] + [mixed_row, same_tokens]
 
 
 # ---------------------------------------------------------------- offline and served workloads
@@ -673,7 +701,8 @@ def main() -> int:
         checks += engine_rows(dev, batches, 8 if args.dry_run else 128, 3 if args.dry_run else 128,
                               with_torch=not args.no_torch_e2e)
     if not (args.skip_engine or args.only_workloads):
-        checks += graph_rows(dev, [1, 2] if args.dry_run else [1, 64, 256], 3 if args.dry_run else 20)
+        checks += graph_rows(dev, [1, 2] if args.dry_run else [1, 64, 256], 3 if args.dry_run else 20,
+                             (2, 20) if args.dry_run else (64, 256))
     if not (args.skip_engine or args.only_graphs):
         checks += workload_rows(dev)
 

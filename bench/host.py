@@ -121,7 +121,8 @@ def measure_batch(run: Run, sz: Sizes, batch: int, params: SamplingParams, basel
                                  async_output_proc=loop == "async outputs", async_scheduling=loop == "async scheduling"))
     spent = dict.fromkeys((*PHASES, "step"), 0.0)
     eng.scheduler.schedule = _Timed(eng.scheduler.schedule, spent, "schedule")
-    eng.runner._prepare = _Timed(eng.runner._prepare, spent, "prepare")
+    eng.runner._tokens = _Timed(eng.runner._tokens, spent, "prepare")
+    eng.runner._metadata = _Timed(eng.runner._metadata, spent, "prepare")
     eng.runner.model.forward = _Timed(eng.runner.model.forward, spent, "forward")
     sampler = eng.runner.sampler
     eng.runner.sampler = _Timed(sampler, spent, "sample", sampler)

@@ -12,6 +12,7 @@ SCHEDULING_POLICIES = ("mixed", "prefill_first", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")  # auto: the model's dtype
 DEVICES = ("auto", "cpu", "cuda")
+CUDAGRAPH_MODES = ("full", "full_decode_only")
 
 
 def default_model_dir() -> Path:
@@ -54,7 +55,8 @@ class EngineConfig:
     speculative_adaptive: bool = True  # below that, draft only where the step-time model says drafts pay (engine/spec.py)
     async_output_proc: bool = False  # make a step's outputs while the next step's forward runs (one step later; §4)
     async_scheduling: bool = False  # schedule and prepare step N+1 while step N runs (its outputs made then too; §4)
-    enforce_eager: bool = True  # False: decode steps replay CUDA graphs (engine/cuda_graphs.py; on until a GPU has measured them)
+    enforce_eager: bool = True  # False: steps replay CUDA graphs (engine/cuda_graphs.py; on until a GPU has measured them)
+    cudagraph_mode: str = "full"  # with graphs: "full" (decode and mixed steps) or "full_decode_only" (vLLM's names)
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -63,6 +65,8 @@ class EngineConfig:
 
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        need(self.cudagraph_mode in CUDAGRAPH_MODES,
+             f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
         need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         need(self.scheduling in SCHEDULING_POLICIES, f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, f"block_size must be a power of two, got {self.block_size}")

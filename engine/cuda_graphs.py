@@ -1,29 +1,42 @@
-"""CUDA graphs for decode steps (docs/architecture.md §8): the forward captured once per batch-size bucket.
+"""CUDA graphs for decode and mixed steps (docs/architecture.md §8): the forward captured once per bucket of
+(tokens, sequences).
 
-A decode step runs the same ~240 kernels at a given batch size every time; launched one by one from Python they
-cost the host more time than the GPU takes to run them (issue 15's H200 profile of the eager step: the GPU busy
-1.5 ms of a 12.8 ms step). So at start-up the runner runs the forward once per
-bucket (`capture_sizes`) on static device buffers and records it; a decode step of B requests then writes its
-metadata into those buffers, padded up to the smallest bucket that holds B, and replays that bucket's graph.
+An eager step runs ~240 kernels launched one by one from Python, and on a GPU that costs the host more time than the
+GPU takes to run them (issue 15's H200 profile of the eager step: the GPU busy 1.5 ms of a 12.8 ms step). So at
+start-up the runner runs the forward once per bucket on static device buffers and records it; a step then writes its
+inputs into those buffers, padded up to the smallest bucket that holds it, and replays that bucket's graph.
+
+Two kinds of bucket:
+- decode: B sequences of one token each, B in `capture_sizes` (1, 2, 4, 8, then multiples of 16); the attention
+  runs its decode tiling, with the KV split when the batch leaves SMs idle;
+- mixed (`cudagraph_mode="full"`): up to T tokens, in `token_sizes` (multiples of 16, then steps of at most an
+  eighth), over `max_num_seqs` sequences and a few for padding: decodes and prompt chunks together. The whole forward, attention included, is recorded: the one
+  Triton launch covers any mix of query lengths, so nothing stays outside the graph (vLLM records such steps
+  piecewise, around attention, because its attention backends plan on the host per step; this kernel does not).
 
 What makes one recording right for every step of its bucket:
 - the forward reads only the static buffers and the KV pool, and never the host (the Triton launchers read shapes,
   not values: kernels/triton/attention.py);
 - block tables are full width (`max_model_len` of blocks), so the attention grid and its split-KV count are fixed
   per bucket and cover any context;
-- a padding row is token 0 at position 0 with slot -1 (`store_kv` skips it), block 0 first in its block table and
-  a context of one token: it reads block 0, whose values are finite (the pool starts zeroed), and its logits are
+- a padding token is token 0 at position 0 with slot -1 (`store_kv` skips it); the padding tokens are spread
+  evenly over the padding sequences (a decode bucket's: one each), each seeing its own tokens, all in block 0
+  (finite: the pool starts zeroed); a mixed bucket has enough padding sequences that none sees past
+  `max_model_len`, and those left without a token are empty (the kernel's programs for them return at once).
+  Every sequence's row reaches the LM head: a step's sampled rows first, then token 0's, whose logits are
   dropped. The warm-up and capture runs are all padding: they write no KV (a kept pool's cached blocks survive);
 - each graph copies its logits into one shared output buffer, so the pool holds one bucket's activations, not
   every bucket's logits.
 
-Buckets stop at 512 sequences (`MAX_CAPTURE_SIZE`, as vLLM's): larger decode batches run eagerly, where the
-launches weigh less against the work. The attention's split-KV count is chosen for `max_model_len`, not the
-context of the moment (a long `max_model_len` and short contexts split more than an eager step would).
+Bounds: decode buckets stop at 512 sequences (`MAX_CAPTURE_SIZE`, as vLLM's), mixed ones at `MAX_CAPTURE_TOKENS`;
+larger steps run eagerly, where the launches weigh less against the work. Every graph shares one memory pool, the
+largest recorded first; capture time and memory are logged. The attention's split-KV count is chosen for
+`max_model_len`, not the context of the moment (a long `max_model_len` and short contexts split more than an eager
+step would).
 
-Steps with prompt chunks or drafts run eagerly. Off unless asked for (`EngineConfig.enforce_eager=False`): no GPU
-has run this code yet (issue 15). With `capture=False` the buckets run eagerly on the same buffers: how the CPU
-tests check the padding and the buffers against the plain path.
+Steps with drafts run eagerly. Off unless asked for (`EngineConfig.enforce_eager=False`): no GPU has run this code
+yet (issue 15). With `capture=False` the buckets run eagerly on the same buffers: how the CPU tests check the
+padding and the buffers against the plain path.
 """
 from __future__ import annotations
 
@@ -37,138 +50,171 @@ import torch
 
 from engine.models import LlamaModel
 from engine.models.llama import AttentionMetadata
-from engine.request import Request
+from engine.step_inputs import StepInputs
 
 log = logging.getLogger("sluice.engine")
 
 
 MAX_CAPTURE_SIZE = 512
+MAX_CAPTURE_TOKENS = 8192
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The batch-size buckets: 1, 2, 4, 8, then every multiple of 16, up to the first that holds `max_num_seqs`
+    """The decode buckets: 1, 2, 4, 8, then every multiple of 16, up to the first that holds `max_num_seqs`
     (at most `MAX_CAPTURE_SIZE`)."""
     n = min(max_num_seqs, MAX_CAPTURE_SIZE)
     sizes = [1, 2, 4, 8, *range(16, n + 16, 16)]
     return sizes[: bisect.bisect_left(sizes, n) + 1]
 
 
-class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, ...]], sizes: list[int],
-                 max_blocks_per_seq: int, block_size: int, device: torch.device, *, capture: bool = True):
+def token_sizes(max_num_tokens: int) -> list[int]:
+    """The mixed buckets' token counts: multiples of 16 up to 256, then steps of an eighth of the power of two
+    below (32 up to 512, 64 up to 1024, ...: a step pads at most 1/8 of its tokens), up to the first that holds
+    `max_num_tokens` (at most `MAX_CAPTURE_TOKENS`)."""
+    n, sizes = min(max_num_tokens, MAX_CAPTURE_TOKENS), [16]
+    while sizes[-1] < n:
+        t = sizes[-1]
+        sizes.append(t + max(16, 1 << (t.bit_length() - 4)))
+    return sizes
+
+
+Bucket = tuple[int, int]  # (tokens, sequences), padding included
+
+
+def buckets(decode_sizes: list[int], mixed_tokens: list[int], max_num_seqs: int, max_len: int
+            ) -> tuple[list[Bucket], list[Bucket]]:
+    """The decode buckets, B sequences of one token each, and the mixed ones, smallest first. A mixed bucket has
+    room for `max_num_seqs` sequences and enough padding sequences that its padding, spread over them, gives none a
+    context past `max_len` tokens (what a block table row holds)."""
+    pads = -(-max(mixed_tokens, default=0) // max_len)
+    return [(b, b) for b in sorted(decode_sizes)], [(t, max_num_seqs + pads) for t in sorted(mixed_tokens)]
+
+
+class StepGraphs:
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, ...]], decode_sizes: list[int],
+                 mixed_tokens: list[int], max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device, *, capture: bool = True):
+        """`decode_sizes`: the decode buckets' batch sizes; `mixed_tokens`: the mixed buckets' token counts (empty:
+        decode steps only); `max_num_seqs`: the most sequences a step holds."""
         self.model, self.kv_caches = model, kv_caches
-        self.sizes = sorted(sizes)
-        self.block_size = block_size
-        n, pin = self.sizes[-1], device.type == "cuda"
-        # the static inputs, and their host staging (pinned on CUDA, so the copies are asynchronous)
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.decode, self.mixed = buckets(decode_sizes, mixed_tokens, max_num_seqs, max_blocks_per_seq * block_size)
+        n, s = map(max, zip(*self.decode, *self.mixed))
+        # the static inputs; all padding until a step fills them: the warm-up and capture runs store nothing
         self.ints = torch.zeros((3, n), dtype=torch.int64, device=device)  # token ids, positions, slots
-        self.ints[2].fill_(-1)  # all padding until a step fills it: the warm-up and capture runs store nothing
-        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each, always
-        self.rows = torch.arange(n, dtype=torch.int64, device=device)  # every row reaches the LM head
-        self.logits = torch.zeros((n, model.cfg.vocab_size), dtype=torch.float32, device=device)  # every graph's output
-        # two sets of staging, one step each in turn: with async scheduling a step is staged while the last one's
-        # replay, which copies out of its own set, may not have started
-        self.staging = [_Staging(n, max_blocks_per_seq, pin), _Staging(n, max_blocks_per_seq, pin)]
-        self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self.ints[2].fill_(-1)
+        self.block_tables = torch.zeros((s, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.zeros(s + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
+        self.rows = torch.zeros(s, dtype=torch.int64, device=device)
+        self.logits = torch.zeros((s, model.cfg.vocab_size), dtype=torch.float32, device=device)  # every graph's output
+        self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         if capture:
             self._capture(device)
         else:
-            self.replays = {b: (lambda b=b: self._forward(b)) for b in self.sizes}
+            self.replays = {k: (lambda k=k: self._forward(k)) for k in set(self.decode + self.mixed)}
 
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
-
-    def _forward(self, b: int) -> torch.Tensor:
-        meta = AttentionMetadata(positions=self.ints[1, :b], slot_mapping=self.ints[2, :b],
-                                 block_tables=self.block_tables[:b], cu_seqlens_q=self.cu_seqlens_q[: b + 1],
-                                 seq_lens=self.seq_lens[:b], logits_indices=self.rows[:b])
-        out = self.logits[:b]
-        out.copy_(self.model.forward(self.ints[0, :b], meta, self.kv_caches))
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+        t, s = key
+        meta = AttentionMetadata(positions=self.ints[1, :t], slot_mapping=self.ints[2, :t],
+                                 block_tables=self.block_tables[:s], cu_seqlens_q=self.cu_seqlens_q[: s + 1],
+                                 seq_lens=self.seq_lens[:s], logits_indices=self.rows[:s])
+        out = self.logits[:s]
+        out.copy_(self.model.forward(self.ints[0, :t], meta, self.kv_caches))
         return out
+
+    def _pad_all(self, key: Bucket) -> None:
+        """The static inputs as a batch of padding only (`pad`), for `key`'s warm-up and capture."""
+        t, s = key
+        host = StepInputs(t, s, self.block_tables.shape[1], pin=False)
+        pad(host, np.zeros(1, dtype=np.int64), key, self.block_size)
+        self.ints[:, :t] = host.ints
+        self.block_tables[:s] = host.block_tables
+        self.cu_seqlens_q[: s + 1] = host.cu_seqlens_q
+        self.seq_lens[:s] = host.seq_lens
+        self.rows[:s] = host.logits_indices
 
     def _capture(self, device: torch.device) -> None:
         """Largest bucket first, all in one memory pool: a smaller graph reuses what the larger one allocated."""
         t, (free_before, _) = time.perf_counter(), torch.cuda.mem_get_info(device)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device)
-        for b in reversed(self.sizes):
+        for key in sorted(set(self.decode + self.mixed), reverse=True):  # (a mixed bucket may equal a decode one)
+            self._pad_all(key)
             # a warm-up run first, off the capture: Triton compiles, cuBLAS picks its kernels and workspace
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                self._forward(b)
+                self._forward(key)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: CUDA calls of other threads (a stuck engine's, during a rebuild) do not void the capture
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                logits = self._forward(b)
-            self.replays[b] = lambda graph=graph, logits=logits: (graph.replay(), logits)[1]
+                logits = self._forward(key)
+            self.replays[key] = lambda graph=graph, logits=logits: (graph.replay(), logits)[1]
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
-        log.info("captured %d CUDA graphs of the decode step (batch %d..%d) in %.1f s, %.0f MiB", len(self.sizes),
-                 self.sizes[0], self.sizes[-1], time.perf_counter() - t, used / 2**20)
+        log.info("captured %d CUDA graphs (decode: batch %s; mixed: tokens %s) in %.1f s, %.0f MiB",
+                 len(self.replays), _span(self.decode), _span(self.mixed), time.perf_counter() - t, used / 2**20)
 
-    def bucket(self, batch_size: int) -> int | None:
-        """The smallest bucket that holds `batch_size` requests; None past the largest."""
-        i = bisect.bisect_left(self.sizes, batch_size)
-        return self.sizes[i] if i < len(self.sizes) else None
+    def bucket(self, num_tokens: int, num_seqs: int) -> Bucket | None:
+        """The smallest bucket that holds a step of `num_tokens` over `num_seqs` sequences: a decode bucket when
+        every sequence has one token, else a mixed one; None where none does (the step runs eagerly)."""
+        if num_tokens == num_seqs and self.decode and num_seqs <= self.decode[-1][1]:
+            return self.decode[bisect.bisect_left(self.decode, (num_seqs, 0))]
+        if self.mixed and num_tokens <= self.mixed[-1][0] and num_seqs <= self.max_num_seqs:
+            return self.mixed[bisect.bisect_left(self.mixed, (num_tokens, 0))]
+        return None
 
-    def run(self, reqs: list[Request]) -> torch.Tensor:
-        """The logits `[len(reqs), vocab]` of a step that computes one token of each request (its token at
-        `num_computed_tokens`, whose KV slot is allocated): the bucket's graph replayed. The tensor is the graphs'
-        shared output buffer, overwritten by the next replay."""
-        return self.stage(reqs)()
-
-    def stage(self, reqs: list[Request], fill: tuple[torch.Tensor, Callable[[], torch.Tensor]] | None = None
-              ) -> Callable[[], torch.Tensor]:
-        """`run` in two: fills a staging set from the requests now; the replay it returns reads none of them. It
-        copies the staging into the graphs' buffers first (on the thread that runs it, so after any replay launched
-        before it), then, with `fill` = (rows, tokens), sets those rows' token ids to `tokens()`, device values (async
-        scheduling: the tokens the last step sampled)."""
-        B, bs = len(reqs), self.block_size
-        b = self.bucket(B)
-        assert b is not None and B > 0, (B, self.sizes)
-        st = self.staging[0]
-        self.staging.reverse()
-        if st.copies_done is not None:
-            st.copies_done.synchronize()
-        pos = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=B)
-        ints = st.ints.numpy()
-        ints[0, :B] = [r.token_ids[r.num_computed_tokens] for r in reqs]
-        ints[1, :B] = pos
-        bt = st.block_tables.numpy()
-        for i, r in enumerate(reqs):  # NOTE: entries past a row's blocks are stale ids: never read (past its context)
-            bt[i, : len(r.block_table)] = r.block_table
-        bt[B:b, 0] = 0
-        ints[2, :B] = bt[np.arange(B), pos // bs].astype(np.int64) * bs + pos % bs
-        ints[:, B:b] = ((0,), (0,), (-1,))  # padding: token 0 at position 0, stored nowhere
-        lens = st.seq_lens.numpy()
-        lens[:B] = pos + 1
-        lens[B:b] = 1
-        replay = self.replays[b]
+    def stage(self, inputs: StepInputs, cu: np.ndarray, rows: list[int],
+              fill: tuple[torch.Tensor, Callable[[], torch.Tensor]] | None = None) -> Callable[[], torch.Tensor]:
+        """The replay of a step whose inputs `inputs` holds (`StepInputs.fill`, which returned `cu`), padded here to
+        its bucket (`bucket` must have one); `rows`: the sequences whose last token's logits it returns. The replay
+        reads neither the requests nor, once it has run, `inputs`: it copies them into the graphs' buffers first
+        (on the thread that runs it, so after any replay launched before it), then, with `fill` = (token indices,
+        tokens), sets those tokens' ids to `tokens()`, device values (async scheduling: the tokens the last step
+        sampled). It returns the logits `[len(rows), vocab]`: the graphs' shared output buffer, overwritten by the
+        next replay."""
+        B, T, R = len(cu) - 1, int(cu[-1]), len(rows)
+        key = self.bucket(T, B)
+        assert key is not None and B > 0, (T, B)
+        t, s = key
+        pad(inputs, cu, key, self.block_size)
+        inputs.logits_indices.numpy()[:R] = cu[1:][rows] - 1
+        replay = self.replays[key]
 
         def run() -> torch.Tensor:
-            self.ints.copy_(st.ints, non_blocking=True)  # whole: 3 rows of a few KB, one contiguous copy
-            self.block_tables[:b].copy_(st.block_tables[:b], non_blocking=True)
-            self.seq_lens[:b].copy_(st.seq_lens[:b], non_blocking=True)
-            if st.copies_done is not None:
-                st.copies_done.record()
+            for k in range(3):
+                self.ints[k, :t].copy_(inputs.ints[k, :t], non_blocking=True)
+            self.block_tables[:s].copy_(inputs.block_tables[:s], non_blocking=True)
+            self.cu_seqlens_q[: s + 1].copy_(inputs.cu_seqlens_q[: s + 1], non_blocking=True)
+            self.seq_lens[:s].copy_(inputs.seq_lens[:s], non_blocking=True)
+            self.rows[:s].copy_(inputs.logits_indices[:s], non_blocking=True)
+            inputs.copied()
             if fill is not None:
                 self.ints[0, fill[0]] = fill[1]()
-            return replay()[:B]
+            return replay()[:R]
 
         return run
 
 
-class _Staging:
-    """Host staging of the graphs' inputs (pinned on CUDA, so the copies are asynchronous), and the event after the
-    last copies out of it: it is rewritten only once they are done."""
+def pad(inputs: StepInputs, cu: np.ndarray, key: Bucket, block_size: int) -> None:
+    """Pads the step `inputs` holds (`cu`: its query offsets) to the bucket `key` = (t, s): tokens past the step's
+    are token 0 at position 0, stored nowhere (slot -1), spread evenly over the sequences past the step's, each
+    seeing its own tokens, all in block 0 (finite: the pool starts zeroed). Every sequence's LM-head row is token 0
+    (the step's rows are then written over it)."""
+    t, s = key
+    B, T = len(cu) - 1, int(cu[-1])
+    inputs.ints.numpy()[:, T:t] = ((0,), (0,), (-1,))
+    inputs.logits_indices.numpy()[:s] = 0
+    if s == B:
+        return
+    lens = np.full(s - B, (t - T) // (s - B), dtype=np.int64)
+    lens[: (t - T) % (s - B)] += 1
+    inputs.block_tables.numpy()[B:s, : -(-int(lens[0]) // block_size)] = 0
+    np.cumsum(lens, out=inputs.cu_seqlens_q.numpy()[B + 1 : s + 1], dtype=np.int32)
+    inputs.cu_seqlens_q.numpy()[B + 1 : s + 1] += T
+    inputs.seq_lens.numpy()[B:s] = lens
 
-    def __init__(self, n: int, max_blocks_per_seq: int, pin: bool):
-        self.ints = torch.zeros((3, n), dtype=torch.int64, pin_memory=pin)  # token ids, positions, slots
-        self.ints[2] = -1
-        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, pin_memory=pin)
-        self.copies_done = torch.cuda.Event() if pin else None
+
+def _span(buckets: list[tuple[int, int]]) -> str:
+    return "none" if not buckets else f"{buckets[0][0]}..{buckets[-1][0]}"

@@ -22,7 +22,7 @@ import kernels
 from engine import loader
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_dir, sluice_home
-from engine.cuda_graphs import capture_sizes
+from engine.cuda_graphs import capture_sizes, token_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
@@ -146,8 +146,9 @@ class LLMEngine:
             return False
         return True
 
-    def _graph_sizes(self) -> list[int] | None:
-        """The batch sizes decode steps are captured at in CUDA graphs (`enforce_eager=False`), or None."""
+    def _graph_sizes(self) -> tuple[list[int], list[int]] | None:
+        """The buckets steps are captured at in CUDA graphs (`enforce_eager=False`): (decode batch sizes, mixed
+        token counts: none under `cudagraph_mode="full_decode_only"`), or None."""
         if self.config.enforce_eager:
             return None
         if self.device.type != "cuda" or self.workers is not None:
@@ -158,7 +159,8 @@ class LLMEngine:
             # the torch twins read device values on the host (`.tolist()`, boolean masks): no capture survives that
             log.warning("enforce_eager=False: CUDA graphs need the Triton kernels (SLUICE_KERNELS=torch); running eagerly")
             return None
-        return capture_sizes(self.config.max_num_seqs)
+        mixed = token_sizes(self.config.max_num_batched_tokens) if self.config.cudagraph_mode == "full" else []
+        return capture_sizes(self.config.max_num_seqs), mixed
 
     def _load_draft(self) -> LlamaModel | None:
         """Speculative decoding's draft model (`speculative="draft:DIR"`): any llama-family model whose tokenizer has

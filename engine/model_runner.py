@@ -1,7 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model forward and samples.
 
-Per-step metadata (token ids, positions, slots, block tables) is written into buffers allocated
-once; building it loops over requests, never over tokens.
+Per-step metadata (token ids, positions, slots, block tables) is written into host buffers allocated once
+(engine/step_inputs.py); building it loops over requests, never over tokens.
 
 The KV pool is a list over layers of `(k_cache, v_cache)`, or `(k_cache, v_cache, k_scale, v_scale)` when it is
 quantized; every part of a layer is indexed by block first, so a block moves as `part[block]` of each.
@@ -15,13 +15,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import StepGraphs, buckets
 from engine.layout import Layout
 from engine.models import LlamaModel
 from engine.models.llama import AttentionMetadata
 from engine.request import Request, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import Batch
+from engine.step_inputs import StepInputs
 
 
 def kv_parts(model: LlamaModel, layout: Layout) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -45,13 +46,14 @@ def kv_pool(model: LlamaModel, layout: Layout, num_blocks: int | None = None,
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, layout: Layout, max_num_tokens: int, max_num_seqs: int, seed: int,
                  kv_caches: list[tuple[torch.Tensor, ...]] | None = None, workers=None,
-                 draft_model: LlamaModel | None = None, graph_sizes: list[int] | None = None):
+                 draft_model: LlamaModel | None = None, graph_sizes: tuple[list[int], list[int]] | None = None):
         """`max_num_tokens`, `max_num_seqs`: the most tokens and sequences one step may hold. `kv_caches`: the pool
         of a runner this one replaces, kept with what it holds (else a new one). `workers`: the other ranks of a
         tensor-parallel group (engine/parallel.py), sent each step's inputs before its forward. `draft_model`:
         speculative decoding's draft model (engine/spec.py); its KV lives in blocks of the same ids, in
-        `draft_caches` (the block tables index both). `graph_sizes`: the batch sizes decode steps are captured at in
-        CUDA graphs (engine/cuda_graphs.py; on a CPU the same buffers run eagerly: for tests)."""
+        `draft_caches` (the block tables index both). `graph_sizes`: the buckets steps are captured at in CUDA graphs,
+        (decode batch sizes, mixed token counts) (engine/cuda_graphs.py; on a CPU the same buffers run eagerly: for
+        tests)."""
         cfg, device = model.cfg, layout.device
         self.model = model
         self.workers = workers
@@ -66,68 +68,55 @@ class ModelRunner:
         self.draft_block_bytes = 0 if draft_model is None else draft_model.cfg.num_layers * sum(
             math.prod(s) * d.itemsize for s, d in kv_parts(draft_model, layout))
         self.max_blocks_per_seq = -(-layout.max_model_len // layout.block_size)
-        pin = device.type == "cuda"
         # the host tier (engine/block_manager.py): slots in host memory, the same layout per layer. NOTE: not pinned:
         # the copies go through pageable temporaries anyway, and torch's pinned allocator rounds every tensor up
         # to a power of two (a 40 GiB tier could pin 64)
         self.host_caches = kv_pool(model, layout, layout.num_host_blocks, torch.device("cpu")) if layout.num_host_blocks else []
         self.copy_seconds = 0.0  # spent in copy_blocks
         self.draft_work = (0, 0, 0.0)  # the last step's draft model: forwards, tokens, seconds (its cost model's input)
-        # two sets of step buffers, one step each in turn: with async scheduling a step is prepared while the last one
-        # runs (on a CPU its forward reads them in place)
-        self.buffers = [_StepBuffers(max_num_tokens, max_num_seqs, self.max_blocks_per_seq, pin) for _ in range(2)]
-        self.max_num_tokens = max_num_tokens
+        self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
         self.sampler = Sampler(seed, device)
         self.sampled: torch.Tensor | None = None  # the last `sample`'s tokens, on the device (async scheduling)
-        self.graphs = self.decode_graphs(graph_sizes, capture=device.type == "cuda") if graph_sizes else None
+        self.inputs: list[StepInputs] = []
+        self.graphs = self.step_graphs(*graph_sizes, capture=device.type == "cuda") if graph_sizes else None
+        if not self.inputs:
+            self._size_inputs(max_num_tokens, max_num_seqs)
 
-    def decode_graphs(self, sizes: list[int], capture: bool) -> DecodeGraphs:
-        """Decode graphs at these batch sizes over this runner's model and pool; `capture=False` runs the buckets
-        eagerly on the graphs' buffers (how the CPU tests and gpu_check's dry run check them)."""
-        return DecodeGraphs(self.model, self.kv_caches, sizes, self.max_blocks_per_seq, self.block_size, self.device,
-                            capture=capture)
+    def _size_inputs(self, max_tokens: int, max_seqs: int) -> None:
+        """Two sets of step inputs, one step each in turn: with async scheduling a step is prepared while the last
+        one runs (on a CPU its forward reads them in place)."""
+        pin = self.device.type == "cuda"
+        self.inputs = [StepInputs(max_tokens, max_seqs, self.max_blocks_per_seq, pin) for _ in range(2)]
 
-    def _prepare(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Step metadata on the device; `rows`: the sequences whose last token reaches the LM head (with a draft,
-        the token before it and each draft token too)."""
+    def step_graphs(self, decode_sizes: list[int], mixed_tokens: list[int], capture: bool) -> StepGraphs:
+        """Graphs at these decode batch sizes and mixed token counts over this runner's model and pool (the step
+        inputs grow to hold their padding); `capture=False` runs the buckets eagerly on the graphs' buffers (how the
+        CPU tests and gpu_check's dry run check them)."""
+        decode, mixed = buckets(decode_sizes, mixed_tokens, self.max_num_seqs, self.max_blocks_per_seq * self.block_size)
+        t, s = map(max, zip(*decode, *mixed))
+        self._size_inputs(max(t, self.max_num_tokens), max(s, self.max_num_seqs))
+        return StepGraphs(self.model, self.kv_caches, decode_sizes, mixed_tokens, self.max_num_seqs,
+                          self.max_blocks_per_seq, self.block_size, self.device, capture=capture)
+
+    def _claim_inputs(self) -> StepInputs:
+        """The next set of step inputs, free to rewrite."""
+        self.inputs.reverse()
+        return self.inputs[1].claim()
+
+    def _tokens(self, batch: Batch) -> tuple[list[int], list[list[int]]]:
+        """Each request's first position and the tokens it computes this step (with a draft: through its draft)."""
         starts = [r.num_computed_tokens for r in batch.reqs]
-        tokens = [r.token_ids[s : s + n] if not r.draft else r.token_ids[s:] + r.draft
-                  for r, s, n in zip(batch.reqs, starts, batch.num_new_tokens)]
-        return self._metadata(batch.reqs, starts, tokens, rows, [len(batch.reqs[i].draft) for i in rows])
+        return starts, [r.token_ids[s : s + n] if not r.draft else r.token_ids[s:] + r.draft
+                        for r, s, n in zip(batch.reqs, starts, batch.num_new_tokens)]
 
     def _metadata(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], rows: list[int],
                   extra: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Metadata for computing `tokens[i]` of `reqs[i]` at positions from `starts[i]`; the last token of each
-        sequence in `rows` reaches the LM head, with the `extra[j]` tokens before it."""
-        buf = self.buffers[0]
-        self.buffers.reverse()
-        if buf.copies_done is not None:  # copies out of it are asynchronous on CUDA: the last ones must be done
-            buf.copies_done.synchronize()
-        B, bs = len(reqs), self.block_size
-        ns = np.asarray([len(t) for t in tokens], dtype=np.int64)
-        starts = np.asarray(starts, dtype=np.int64)
-        T = int(ns.sum())
-        cu = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(ns, out=cu[1:])
-
-        ids = buf.input_ids.numpy()[:T]
-        for i, t in enumerate(tokens):
-            ids[cu[i] : cu[i + 1]] = t
-        pos = buf.positions.numpy()[:T]
-        pos[:] = np.arange(T) + np.repeat(starts - cu[:-1], ns)  # (T,)
-
+        """Metadata on the device for computing `tokens[i]` of `reqs[i]` at positions from `starts[i]`; the last
+        token of each sequence in `rows` reaches the LM head, with the `extra[j]` tokens before it (a draft's)."""
+        buf = self._claim_inputs()
+        cu = buf.fill(reqs, starts, tokens, self.block_size)
+        B, T, dev = len(reqs), int(cu[-1]), self.device
         max_blocks = max(len(r.block_table) for r in reqs)
-        bt = buf.block_tables.numpy()[:B, :max_blocks]
-        bt.fill(0)
-        for i, r in enumerate(reqs):
-            bt[i, : len(r.block_table)] = r.block_table
-        seq_of_token = np.repeat(np.arange(B), ns)  # (T,)
-        slots = buf.slot_mapping.numpy()[:T]
-        slots[:] = bt[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
-        buf.cu_seqlens_q.numpy()[: B + 1] = cu
-        buf.seq_lens.numpy()[:B] = starts + ns
-
-        dev = self.device
         meta = AttentionMetadata(
             positions=buf.positions[:T].to(dev, non_blocking=True),
             slot_mapping=buf.slot_mapping[:T].to(dev, non_blocking=True),
@@ -137,8 +126,7 @@ class ModelRunner:
             logits_indices=torch.from_numpy(_logits_indices(cu[1:][rows] - 1, extra)).to(dev),
         )
         input_ids = buf.input_ids[:T].to(dev, non_blocking=True)
-        if buf.copies_done is not None:
-            buf.copies_done.record()
+        buf.copied()
         return input_ids, meta
 
     def _draft(self, batch: Batch) -> None:
@@ -254,14 +242,17 @@ class ModelRunner:
                     raise RuntimeError("the step before this one sampled nothing: the tokens it reads are not known")
                 return self.sampled[src]
             tokens = read
-        if self._graphed(batch, rows):
-            fill = None if tokens is None else (torch.tensor(list(placeholders), device=self.device), tokens)
-            return self.graphs.stage(batch.reqs, fill)
-        input_ids, meta = self._prepare(batch, rows or [0])
-        if self.workers is not None:
-            self.workers.step(input_ids, meta)
         if tokens is not None:  # each such row's last input token
             dst = torch.from_numpy(np.cumsum(batch.num_new_tokens)[list(placeholders)] - 1).to(self.device)
+        starts, new = self._tokens(batch)
+        if self._graphed(batch):
+            buf = self._claim_inputs()
+            cu = buf.fill(batch.reqs, starts, new, self.block_size)
+            return self.graphs.stage(buf, cu, rows, None if tokens is None else (dst, tokens))
+        rows = rows or [0]
+        input_ids, meta = self._metadata(batch.reqs, starts, new, rows, [len(batch.reqs[i].draft) for i in rows])
+        if self.workers is not None:
+            self.workers.step(input_ids, meta)
 
         def forward() -> torch.Tensor:
             if tokens is not None:
@@ -283,26 +274,11 @@ class ModelRunner:
         self.sampled = self.sampler.last
         return [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs]
 
-    def _graphed(self, batch: Batch, rows: list[int]) -> bool:
-        """Is this a step a graph replays: one token of each request, each sampled (so no draft), within the
-        largest bucket?"""
+    def _graphed(self, batch: Batch) -> bool:
+        """Is this a step a graph replays: no draft, and a bucket that holds it?"""
         g = self.graphs
-        return (g is not None and len(rows) == len(batch) <= g.max_size
-                and all(n == 1 for n in batch.num_new_tokens))
-
-
-class _StepBuffers:
-    """Host buffers of one step's metadata (pinned on CUDA, so the copies out are asynchronous), and the event
-    after the last copies out of them: they are rewritten only once those are done."""
-
-    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, pin: bool):
-        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
-        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
-        self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
-        self.block_tables = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
-        self.cu_seqlens_q = torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin)
-        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin)
-        self.copies_done = torch.cuda.Event() if pin else None
+        return (g is not None and not any(r.draft for r in batch.reqs)
+                and g.bucket(sum(batch.num_new_tokens), len(batch)) is not None)
 
 
 def _logits_indices(last: np.ndarray, drafts: list[int]) -> np.ndarray:

@@ -19,7 +19,7 @@ ENGINE_FIELDS = (
     "max_num_batched_tokens", "max_model_len", "scheduling", "long_prefill_token_threshold",
     "max_num_partial_prefills", "itl_slo_ms", "seed", "kv_offload_gb", "kv_cache_dtype", "tensor_parallel_size",
     "speculative", "num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
-    "speculative_disable_by_batch_size",
+    "speculative_disable_by_batch_size", "cudagraph_mode",
 )
 
 
@@ -50,6 +50,7 @@ class ServerConfig:
     speculative_disable_by_batch_size: int | None = None
     speculative_adaptive: bool = True
     enforce_eager: bool = True
+    cudagraph_mode: str | None = None
     async_output_proc: bool = False
     async_scheduling: bool = False
     prefix_store: bool = True
@@ -202,9 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "per second by a step-time model fitted online and the acceptance rate seen, none where plain "
                         "decoding yields more (default: on)")
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
-                   help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs captured at "
-                        "start-up per batch-size bucket, on CUDA with one rank (default: on, every step eager, until graphs "
-                        "have been measured on a GPU)")
+                   help="run every step eagerly; --no-enforce-eager replays steps from CUDA graphs captured at "
+                        "start-up per bucket (decode batch size; mixed steps' token count), on CUDA with one rank "
+                        "(default: on, every step eager, until graphs have been measured on a GPU)")
+    e.add_argument("--cudagraph-mode", choices=["full", "full_decode_only"], type=str.lower,
+                   help="with --no-enforce-eager: graphs for decode and mixed steps (full), or for decode steps only, "
+                        "mixed steps eager (full_decode_only); vLLM sets this in --compilation-config (default: full)")
     e.add_argument("--async-output-proc", action=argparse.BooleanOptionalAction, default=d.async_output_proc,
                    help="make each step's outputs (the text of requests without stop strings, the output messages) "
                         "while the next step's forward runs on a thread of its own: off the step's critical path, "

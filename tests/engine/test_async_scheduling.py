@@ -12,8 +12,8 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StepError
 from engine.engine import DeviceError
-from engine.cuda_graphs import capture_sizes
 from tests.engine.test_async_output import _break_detok, _run, params, streams
+from tests.engine.test_cuda_graphs import uncaptured
 from tests.engine.test_spec import _prompts
 
 SETUPS = {
@@ -21,7 +21,7 @@ SETUPS = {
     "prefill_first": {"scheduling": "prefill_first"},
     "static": {"scheduling": "static", "max_num_seqs": 3},
     "chunked-preempting": {"max_num_batched_tokens": 32, "num_kv_blocks": 24, "block_size": 8},
-    "graphs": {},  # the decode steps through the CUDA graphs' buffers (run eagerly on a CPU)
+    "graphs": {},  # the steps through the CUDA graphs' buffers (run eagerly on a CPU), decode and mixed
     "host-tier": {"num_kv_blocks": 32, "block_size": 8, "kv_offload_gb": 0.01, "max_num_batched_tokens": 64},
 }
 
@@ -30,7 +30,7 @@ def engine(model, ahead: bool, graphs: bool = False, **kw) -> LLMEngine:
     eng = LLMEngine(EngineConfig(model=str(model), dtype="float32", device="cpu", **{"num_kv_blocks": 128, **kw},
                                  async_scheduling=ahead))
     if graphs:
-        eng.runner.graphs = eng.runner.decode_graphs(capture_sizes(eng.config.max_num_seqs), capture=False)
+        uncaptured(eng)
     return eng
 
 
@@ -52,10 +52,14 @@ def test_same_streams_as_the_plain_loop(tiny_model_dir, setup, caplog):
     assert ahead._pipelined and not plain._pipelined
     ps = all_params(plain)
     assert all_params(ahead) == ps
-    read = []  # steps whose forward read tokens the step before sampled, on the device
+    read, mixed_reads = [], []  # steps whose forward read tokens the step before sampled, on the device
     staged, launched = ahead.runner.graphs.stage if setup == "graphs" else None, ahead.runner.launch
     if staged:
-        ahead.runner.graphs.stage = lambda reqs, fill=None: (read.append(fill is not None), staged(reqs, fill))[1]
+        def stage(inputs, cu, rows, fill=None):
+            read.append(fill is not None)
+            mixed_reads.append(fill is not None and cu[-1] > len(cu) - 1)  # beside a prompt chunk
+            return staged(inputs, cu, rows, fill)
+        ahead.runner.graphs.stage = stage
     else:
         ahead.runner.launch = lambda b, s, p=None: (read.append(bool(p)), launched(b, s, p))[1]
     for _ in range(2):  # the second round meets the first's prompts in the prefix cache
@@ -63,6 +67,7 @@ def test_same_streams_as_the_plain_loop(tiny_model_dir, setup, caplog):
         assert a == b
         assert all(s[-1][2] for s in a.values()) and a["r6"][-1][3] == "stop" and len(a["r6"]) < 30
     assert sum(read) > 20 and "retrying" not in caplog.text  # (a failed forward would be run again, and hide it)
+    assert setup != "graphs" or sum(mixed_reads) > 0
     if setup == "chunked-preempting":
         assert ahead.stats()["num_preemptions"] > 0
     if setup == "host-tier":  # the second round's prompts come back from the host tier (copied on the forward thread)

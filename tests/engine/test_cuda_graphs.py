@@ -1,16 +1,18 @@
-"""Decode steps through the graph buffers (engine/cuda_graphs.py) give the plain path's tokens.
+"""Decode and mixed steps through the graph buffers (engine/cuda_graphs.py) give the plain path's tokens.
 
 No GPU here: the buckets run eagerly on the static buffers (`capture=False`), which checks everything but the
-recording itself: the bucket choice, the padding rows (stored nowhere, reading block 0), full-width block tables,
-the buffers rewritten every step. tests/kernels/test_engine_triton.py runs the same through the Triton kernels.
+recording itself: the bucket choice, the padding (one sequence of every padding token, stored nowhere, reading block
+0; empty ones after the step's), full-width block tables, the buffers rewritten every step.
+tests/kernels/test_engine_triton.py runs the same through the Triton kernels.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import capture_sizes
+from engine.cuda_graphs import StepGraphs, buckets, capture_sizes, token_sizes
 from tests.engine.test_spec import _prompts
 
 
@@ -22,18 +24,79 @@ def test_capture_sizes():
     assert capture_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
 
 
-def graphed(eng: LLMEngine) -> dict[tuple[int, int], int]:
-    """Gives `eng` decode graphs run eagerly on their buffers; returns how often each (batch size, bucket) ran,
-    filled as it runs."""
-    r = eng.runner
-    r.graphs = g = r.decode_graphs(capture_sizes(eng.config.max_num_seqs), capture=False)
-    used: dict[tuple[int, int], int] = {}
+def test_token_sizes():
+    assert token_sizes(1) == [16]
+    assert token_sizes(40) == [16, 32, 48]
+    assert token_sizes(2048) == [*range(16, 256, 16), *range(256, 512, 32), *range(512, 1024, 64),
+                                 *range(1024, 2049, 128)]
+    sizes = token_sizes(10**6)
+    assert sizes[-1] == 8192 and all((b - a) * 8 <= max(a, 128) for a, b in zip(sizes, sizes[1:]))
+
+
+def test_bucket_choice():
+    g = StepGraphs.__new__(StepGraphs)
+    g.decode, g.mixed = buckets(capture_sizes(20), token_sizes(100), 20, 64)
+    g.max_num_seqs = 20
+    assert g.mixed[0] == (16, 22)  # 112 tokens of padding at most: two sequences of 56
+    assert g.bucket(1, 1) == (1, 1) and g.bucket(3, 3) == (4, 4) and g.bucket(17, 17) == (32, 32)
+    assert g.bucket(4, 3) == (16, 22) and g.bucket(33, 2) == (48, 22) and g.bucket(112, 20) == (112, 22)
+    assert g.bucket(113, 20) is None
+    g.decode = g.decode[:3]  # decode steps past the largest decode bucket take a mixed one
+    assert g.bucket(5, 5) == (16, 22)
+    g.mixed = []
+    assert g.bucket(5, 5) is None and g.bucket(4, 3) is None
+
+
+@pytest.mark.parametrize("max_len", [16, 64, 4096])
+def test_padding_fits_every_bucket(max_len):
+    """For steps of every size a bucket takes: the padded inputs describe t tokens over s sequences, the step's
+    untouched, every padding token stored nowhere and every padding sequence's context within `max_len` (its block
+    table row) and all in block 0."""
+    from engine.cuda_graphs import pad
+    from engine.step_inputs import StepInputs
+
+    bs, max_seqs = 4, 12
+    decode, mixed = buckets(capture_sizes(max_seqs), token_sizes(200), max_seqs, max_len)
+    g = StepGraphs.__new__(StepGraphs)
+    g.decode, g.mixed, g.max_num_seqs = decode, mixed, max_seqs
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        B = int(rng.integers(1, max_seqs + 1))
+        ns = np.ones(B, dtype=np.int64) if rng.random() < 0.3 else rng.integers(0, 30, B) + 1
+        cu = np.concatenate([[0], np.cumsum(ns)])
+        key = g.bucket(int(cu[-1]), B)
+        if key is None:
+            continue
+        t, s = key
+        inp = StepInputs(256, 32, max_len // bs, pin=False)
+        inp.block_tables.fill_(7)
+        inp.cu_seqlens_q[: B + 1] = torch.from_numpy(cu)
+        pad(inp, cu, key, bs)
+        cuq, lens = inp.cu_seqlens_q[: s + 1].tolist(), inp.seq_lens[:s].tolist()
+        assert cuq[: B + 1] == cu.tolist() and cuq[-1] == t and all(a <= b for a, b in zip(cuq, cuq[1:]))
+        assert (inp.slot_mapping[int(cu[-1]) : t] == -1).all() and (inp.positions[int(cu[-1]) : t] == 0).all()
+        for j in range(B, s):
+            n = cuq[j + 1] - cuq[j]
+            assert lens[j] == n <= max_len and (inp.block_tables[j, : -(-n // bs)] == 0).all()
+        assert (inp.block_tables[:B] == 7).all()
+        if cu[-1] == B:  # a decode step: one token per padding sequence
+            assert lens[B:] == [1] * (s - B)
+
+
+def uncaptured(eng: LLMEngine, mixed: bool = True) -> dict[tuple[int, int, tuple[int, int]], int]:
+    """Gives `eng` graphs run eagerly on their buffers: decode buckets, and mixed ones unless `mixed=False`; returns
+    how often each (tokens, sequences, bucket) ran, filled as it runs."""
+    r, cfg = eng.runner, eng.config
+    r.graphs = g = r.step_graphs(capture_sizes(cfg.max_num_seqs),
+                                 token_sizes(cfg.max_num_batched_tokens) if mixed else [], capture=False)
+    used: dict[tuple[int, int, tuple[int, int]], int] = {}
     stage = g.stage
 
-    def counted(reqs, fill=None):
-        key = (len(reqs), g.bucket(len(reqs)))
+    def counted(inputs, cu, rows, fill=None):
+        T, B = int(cu[-1]), len(cu) - 1
+        key = (T, B, g.bucket(T, B))
         used[key] = used.get(key, 0) + 1
-        return stage(reqs, fill)
+        return stage(inputs, cu, rows, fill)
     g.stage = counted
     return used
 
@@ -45,10 +108,12 @@ SETUPS = {
 }
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode-only", "full"])
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_graphed_decodes_match_the_plain_path(tiny_model_dir, setup):
+def test_graphed_steps_match_the_plain_path(tiny_model_dir, setup, mixed):
     """Batches shrink through several buckets as requests of different lengths finish; two rounds, so the second
-    finds the first's prompts in the prefix cache; the small pool of one setup preempts."""
+    finds the first's prompts in the prefix cache; the small pool of one setup preempts. With mixed graphs the
+    prompt steps replay too: chunks beside decodes, chunks that sample nothing, padding past a block."""
     system = list(range(100, 140))
     prompts = [system + list(range(200 + 7 * i, 205 + 9 * i)) for i in range(11)] + [[5, 6, 7]]
     params = [SamplingParams(max_tokens=3 + 4 * (i % 5), temperature=0.0, ignore_eos=True, logprobs=1)
@@ -59,7 +124,7 @@ def test_graphed_decodes_match_the_plain_path(tiny_model_dir, setup):
     for with_graphs in (False, True):
         eng = LLMEngine(config)
         if with_graphs:
-            used = graphed(eng)
+            used = uncaptured(eng, mixed)
         outs.append([eng.generate(prompts, params) for _ in range(2)])
         eng.check_integrity()
         if setup == "chunked-preempting":
@@ -68,14 +133,40 @@ def test_graphed_decodes_match_the_plain_path(tiny_model_dir, setup):
         for a, b in zip(plain_round, graph_round):
             assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
             assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
-    assert len({b for _, b in used}) >= 3 and any(n < b for n, b in used), used  # several buckets, padded ones
+    decode = {k: n for k, n in used.items() if k[2][0] == k[2][1]}
+    assert len({b for _, _, b in decode}) >= 3 and any(B < b[1] for _, B, b in decode), used  # padded buckets
+    steps = [k for k in used if k[2][0] != k[2][1]]
+    if mixed:  # prompt steps replayed, some padded past a block, some beside decodes
+        assert any(T > B > 1 for T, B, _ in steps), used
+        if setup != "chunked-preempting":  # (whose prompt steps fill their budget: 32 tokens, a bucket)
+            assert any(t > T for T, _, (t, _) in steps), used
+    else:
+        assert not steps, used
 
 
-def test_mixed_steps_and_drafts_run_eagerly(tiny_model_dir):
-    """A step with a prompt chunk, or a request verifying a draft, is not a graph's: it runs the plain forward."""
+def test_padding_past_a_block_and_chunks_that_sample_nothing(tiny_model_dir):
+    """Blocks of 4 tokens and a budget of 48: the padding sequence spans several blocks (all block 0), prompts are
+    cut into chunks that sample nothing, beside decodes; logprobs of every row as the plain path's."""
+    prompts = [list(range(30, 30 + n)) for n in (40, 18, 3, 50)]  # steps of 48, 48, then 3 decodes + 16
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2) for m in (5, 9, 12, 3)]
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=96,
+                          max_num_batched_tokens=48, max_num_seqs=4)
+    plain = LLMEngine(config).generate(prompts, params)
+    eng = LLMEngine(config)
+    used = uncaptured(eng)
+    outs = eng.generate(prompts, params)
+    for a, b in zip(plain, outs):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert any(t - T > 4 for T, _, (t, _) in used), used  # padding over two blocks and more
+    assert any(T > B > 1 and T < t for T, B, (t, _) in used), used
+
+
+def test_drafts_run_eagerly(tiny_model_dir):
+    """A step with a request verifying a draft is not a graph's: it runs the plain forward."""
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
                                  speculative="ngram", speculative_adaptive=False))
-    used = graphed(eng)
+    used = uncaptured(eng)
     prompts = _prompts()[:2]  # the first repeats a pattern: prompt lookup drafts
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     outs = eng.generate(prompts, params)
@@ -83,7 +174,8 @@ def test_mixed_steps_and_drafts_run_eagerly(tiny_model_dir):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
     stats = eng.stats()
     assert stats["spec_draft_tokens"] > 0
-    assert 0 < sum(used.values()) < stats["num_steps"] - 1  # the prefill and the drafting steps ran eagerly
+    assert 0 < sum(used.values()) < stats["num_steps"] - 1  # the drafting steps ran eagerly
+    assert any(T > B for T, B, _ in used)  # the prefill did not
 
 
 def test_cpu_engine_ignores_no_enforce_eager(tiny_model_dir, caplog):
@@ -102,10 +194,11 @@ def test_capture_runs_write_no_kv(tiny_model_dir):
     first = eng.generate([prompt], params)[0].token_ids
     new = eng.rebuilt(keep_cache=True)
     before = [t.clone() for t in new.runner.kv_caches[0]]
-    graphed(new)
+    uncaptured(new)
     g = new.runner.graphs
-    for b in g.sizes:  # what `_capture` runs, warm-up and recording alike
-        g._forward(b)
+    for key in g.decode + g.mixed:  # what `_capture` runs, warm-up and recording alike
+        g._pad_all(key)
+        g._forward(key)
     assert all(torch.equal(a, b) for a, b in zip(before, new.runner.kv_caches[0]))
     again = new.generate([prompt], params)[0]
     assert again.num_cached_tokens > 0 and again.token_ids == first
@@ -113,3 +206,23 @@ def test_capture_runs_write_no_kv(tiny_model_dir):
 
 def test_buckets_stop_at_512():
     assert capture_sizes(4096)[-1] == 512
+
+
+@pytest.mark.parametrize("mode, mixed", [("full", True), ("full_decode_only", False)])
+def test_cudagraph_mode_picks_the_buckets(monkeypatch, mode, mixed):
+    """What an engine on one GPU would capture: decode buckets always, mixed ones up to the step budget under
+    "full" (the default) only."""
+    import types
+
+    import kernels
+
+    monkeypatch.setattr(kernels, "attention_backend", lambda *a: "triton")
+    eng = types.SimpleNamespace(config=EngineConfig(enforce_eager=False, cudagraph_mode=mode, max_num_seqs=64,
+                                                    max_num_batched_tokens=1000),
+                                device=torch.device("cuda"), workers=None, dtype=torch.bfloat16,
+                                layout=types.SimpleNamespace(cache_dtype=torch.bfloat16))
+    decode, tokens = LLMEngine._graph_sizes(eng)
+    assert decode == capture_sizes(64) and tokens == (token_sizes(1000) if mixed else [])
+    assert tokens == [] or tokens[-1] == 1024
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        EngineConfig(cudagraph_mode="piecewise")

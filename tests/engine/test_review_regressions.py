@@ -83,7 +83,7 @@ def test_flush_never_emits_a_stop_string():
 
 
 # F4: ModelRunner reuses its pinned host buffers every step and copies them with non_blocking=True. Only
-# a step that samples synchronises (tokens.tolist()); after a prefill-only step the next _prepare()
+# a step that samples synchronises (tokens.tolist()); after a prefill-only step the next _metadata()
 # overwrites input_ids/positions/slot_mapping/block_tables while the previous step's H2D copies may still
 # be queued behind earlier GPU work -> wrong tokens, and KV written into other requests' (cached) blocks.
 # Simulated here by a long GPU sleep in front of every forward (what a big model's chunk does).

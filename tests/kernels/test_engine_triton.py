@@ -53,29 +53,32 @@ GRAPHS_SCRIPT = """
 import json, sys
 import kernels
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import capture_sizes
+from engine.cuda_graphs import capture_sizes, token_sizes
 assert kernels.MODE == "triton", kernels.MODE
 prompts = [list(range(40, 40 + n)) for n in (22, 5, 13)]
 toks = []
 for graphs in (False, True):
-    # max_model_len 1024: full-width block tables make the decode buckets split the KV (2 splits of 512)
+    # max_model_len 1024: full-width block tables make the decode buckets split the KV (2 splits of 512); a budget of
+    # 24 tokens: prompt chunks beside decodes in mixed buckets
     eng = LLMEngine(EngineConfig(model=sys.argv[1], dtype="float32", device="cpu", block_size=16, num_kv_blocks=64,
-                                 max_model_len=1024, max_num_seqs=4))
+                                 max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=24))
     if graphs:
         r = eng.runner
-        r.graphs = r.decode_graphs(capture_sizes(4), capture=False)
+        r.graphs = r.step_graphs(capture_sizes(4), token_sizes(24), capture=False)
         runs = []
         stage = r.graphs.stage
-        r.graphs.stage = lambda reqs, fill=None: runs.append(len(reqs)) or stage(reqs, fill)
+        r.graphs.stage = lambda inputs, cu, rows, fill=None: runs.append((int(cu[-1]), len(cu) - 1)) or stage(
+            inputs, cu, rows, fill)
     toks.append([o.token_ids for o in eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0,
                                                                             ignore_eos=True) for m in (4, 2, 3)])])
 print(json.dumps({"eager": toks[0], "graphs": toks[1], "runs": runs}))
 """
 
 
-def test_decode_graph_buffers_through_triton_kernels(model_dir):
+def test_step_graph_buffers_through_triton_kernels(model_dir):
     """The graph path's buffers (engine/cuda_graphs.py, run eagerly here) through the Triton kernels: a padded
-    bucket (3 requests in 4), full-width block tables with split KV, the same tokens as the plain path."""
+    decode bucket (3 requests in 4), full-width block tables with split KV, mixed buckets (prompt chunks beside
+    decodes, padding sequences, empty ones), the same tokens as the plain path."""
     env = dict(os.environ, SLUICE_KERNELS="triton", TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", GRAPHS_SCRIPT, str(model_dir)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300, check=False)
@@ -83,7 +86,9 @@ def test_decode_graph_buffers_through_triton_kernels(model_dir):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [len(t) for t in got["eager"]] == [4, 2, 3]
     assert got["graphs"] == got["eager"]
-    assert 3 in got["runs"] and 1 in got["runs"], got["runs"]
+    runs = [tuple(r) for r in got["runs"]]
+    assert (3, 3) in runs, runs  # a padded decode step
+    assert any(T > B > 1 for T, B in runs), runs  # prompt chunks beside decodes
 
 
 def test_triton_engine_matches_torch_engine(model_dir):

@@ -83,7 +83,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_SPECULATIVE": "ngram", "SLUICE_NUM_SPECULATIVE_TOKENS": "6", "SLUICE_NGRAM_PROMPT_LOOKUP_MAX": "3",
         "SLUICE_NGRAM_PROMPT_LOOKUP_MIN": "1", "SLUICE_SPECULATIVE_DISABLE_BY_BATCH_SIZE": "4",
         "SLUICE_SPECULATIVE_ADAPTIVE": "no", "SLUICE_ENFORCE_EAGER": "off", "SLUICE_ASYNC_OUTPUT_PROC": "1",
-        "SLUICE_ASYNC_SCHEDULING": "yes",
+        "SLUICE_ASYNC_SCHEDULING": "yes", "SLUICE_CUDAGRAPH_MODE": "FULL_DECODE_ONLY",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -98,6 +98,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         kv_offload_gb=1.5, prefix_store=False, kv_cache_dtype="int8", tensor_parallel_size=2,
         speculative="ngram", num_speculative_tokens=6, ngram_prompt_lookup_max=3, ngram_prompt_lookup_min=1,
         speculative_disable_by_batch_size=4, speculative_adaptive=False, enforce_eager=False,
+        cudagraph_mode="full_decode_only",
         async_output_proc=True, async_scheduling=True)
 
 

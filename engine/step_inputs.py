@@ -1,0 +1,58 @@
+"""A step's inputs on the host, written by one function for the eager forward and for the CUDA graphs alike.
+
+Token ids, positions and KV slots per token; block tables, query offsets (`cu_seqlens_q`) and context lengths per
+sequence; the rows that reach the LM head. Building them loops over requests, never over tokens. The buffers are
+allocated once, pinned on CUDA so the copies out are asynchronous, and come in sets the runner uses in turn
+(engine/model_runner.py): a set is rewritten only after the copies out of it are done (`claim`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.request import Request
+
+
+class StepInputs:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, pin: bool):
+        self.ints = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)  # token ids, positions, slots
+        self.input_ids, self.positions, self.slot_mapping = self.ints
+        self.block_tables = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, pin_memory=pin)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin)
+        self.logits_indices = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
+        self.copies_done = torch.cuda.Event() if pin else None
+
+    def claim(self) -> StepInputs:
+        """This set, once the copies out of it (asynchronous on CUDA) are done: it may be rewritten."""
+        if self.copies_done is not None:
+            self.copies_done.synchronize()
+        return self
+
+    def copied(self) -> None:
+        """Marks the copies out of this set launched so far: `claim` waits for them."""
+        if self.copies_done is not None:
+            self.copies_done.record()
+
+    def fill(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], block_size: int) -> np.ndarray:
+        """Writes the inputs for computing `tokens[i]` of `reqs[i]` at positions from `starts[i]`; returns
+        `cu_seqlens_q` (B + 1 token offsets; the step has `cu[-1]` tokens). A row of the block tables is written up
+        to its request's blocks; entries past them are stale ids, never read (past its context)."""
+        B, bs = len(reqs), block_size
+        ns = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=B)
+        starts = np.asarray(starts, dtype=np.int64)
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(ns, out=cu[1:])
+        T = int(cu[-1])
+        ids, pos, slots = self.ints.numpy()[:, :T]
+        for i, t in enumerate(tokens):
+            ids[cu[i] : cu[i + 1]] = t
+        pos[:] = np.arange(T) + np.repeat(starts - cu[:-1], ns)
+        bt = self.block_tables.numpy()
+        for i, r in enumerate(reqs):
+            bt[i, : len(r.block_table)] = r.block_table
+        seq_of_token = np.repeat(np.arange(B), ns)
+        slots[:] = bt[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        self.cu_seqlens_q.numpy()[: B + 1] = cu
+        self.seq_lens.numpy()[:B] = starts + ns
+        return cu
