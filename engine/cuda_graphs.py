@@ -85,8 +85,10 @@ def buckets(decode_sizes: list[int], mixed_tokens: list[int], max_num_seqs: int,
             ) -> tuple[list[Bucket], list[Bucket]]:
     """The decode buckets, B sequences of one token each, and the mixed ones, smallest first. A mixed bucket has
     room for `max_num_seqs` sequences and enough padding sequences that its padding, spread over them, gives none a
-    context past `max_len` tokens (what a block table row holds)."""
+    context past `max_len` tokens (what a block table row holds), and never as many sequences as tokens (the
+    attention would take it for a decode step and tile it so)."""
     pads = -(-max(mixed_tokens, default=0) // max_len)
+    pads += max_num_seqs + pads in mixed_tokens
     return [(b, b) for b in sorted(decode_sizes)], [(t, max_num_seqs + pads) for t in sorted(mixed_tokens)]
 
 
@@ -104,6 +106,7 @@ class StepGraphs:
         self.ints = torch.zeros((3, n), dtype=torch.int64, device=device)  # token ids, positions, slots
         self.ints[2].fill_(-1)
         self.block_tables = torch.zeros((s, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.tables = torch.zeros(s * max_blocks_per_seq, dtype=torch.int32, device=device)  # a step's, [B, w] (H2D)
         self.cu_seqlens_q = torch.zeros(s + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
         self.rows = torch.zeros(s, dtype=torch.int64, device=device)
@@ -126,10 +129,10 @@ class StepGraphs:
     def _pad_all(self, key: Bucket) -> None:
         """The static inputs as a batch of padding only (`pad`), for `key`'s warm-up and capture."""
         t, s = key
-        host = StepInputs(t, s, self.block_tables.shape[1], pin=False)
+        host = StepInputs(t, s, 1, pin=False)
         pad(host, np.zeros(1, dtype=np.int64), key, self.block_size)
         self.ints[:, :t] = host.ints
-        self.block_tables[:s] = host.block_tables
+        self.block_tables[:s] = 0
         self.cu_seqlens_q[: s + 1] = host.cu_seqlens_q
         self.seq_lens[:s] = host.seq_lens
         self.rows[:s] = host.logits_indices
@@ -178,14 +181,20 @@ class StepGraphs:
         key = self.bucket(T, B)
         assert key is not None and B > 0, (T, B)
         t, s = key
-        pad(inputs, cu, key, self.block_size)
+        blocks = pad(inputs, cu, key, self.block_size)
         inputs.logits_indices.numpy()[:R] = cu[1:][rows] - 1
+        w = inputs.block_tables.shape[1]
         replay = self.replays[key]
 
         def run() -> torch.Tensor:
             for k in range(3):
                 self.ints[k, :t].copy_(inputs.ints[k, :t], non_blocking=True)
-            self.block_tables[:s].copy_(inputs.block_tables[:s], non_blocking=True)
+            # the step's tables, then into the full-width ones on the device: columns past a row's blocks are
+            # never read (past its context), and the padding sequences' first ones are block 0
+            self.tables[: B * w].copy_(inputs.tables[: B * w], non_blocking=True)
+            self.block_tables[:B, :w] = self.tables[: B * w].view(B, w)
+            if blocks:
+                self.block_tables[B:s, :blocks] = 0
             self.cu_seqlens_q[: s + 1].copy_(inputs.cu_seqlens_q[: s + 1], non_blocking=True)
             self.seq_lens[:s].copy_(inputs.seq_lens[:s], non_blocking=True)
             self.rows[:s].copy_(inputs.logits_indices[:s], non_blocking=True)
@@ -197,23 +206,24 @@ class StepGraphs:
         return run
 
 
-def pad(inputs: StepInputs, cu: np.ndarray, key: Bucket, block_size: int) -> None:
+def pad(inputs: StepInputs, cu: np.ndarray, key: Bucket, block_size: int) -> int:
     """Pads the step `inputs` holds (`cu`: its query offsets) to the bucket `key` = (t, s): tokens past the step's
     are token 0 at position 0, stored nowhere (slot -1), spread evenly over the sequences past the step's, each
-    seeing its own tokens, all in block 0 (finite: the pool starts zeroed). Every sequence's LM-head row is token 0
-    (the step's rows are then written over it)."""
+    seeing its own tokens. Every sequence's LM-head row is token 0 (the step's rows are then written over it).
+    Returns how many blocks a padding sequence reads: the first entries of their block table rows, all to be block 0
+    (finite: the pool starts zeroed)."""
     t, s = key
     B, T = len(cu) - 1, int(cu[-1])
     inputs.ints.numpy()[:, T:t] = ((0,), (0,), (-1,))
     inputs.logits_indices.numpy()[:s] = 0
     if s == B:
-        return
+        return 0
     lens = np.full(s - B, (t - T) // (s - B), dtype=np.int64)
     lens[: (t - T) % (s - B)] += 1
-    inputs.block_tables.numpy()[B:s, : -(-int(lens[0]) // block_size)] = 0
     np.cumsum(lens, out=inputs.cu_seqlens_q.numpy()[B + 1 : s + 1], dtype=np.int32)
     inputs.cu_seqlens_q.numpy()[B + 1 : s + 1] += T
     inputs.seq_lens.numpy()[B:s] = lens
+    return -(-int(lens[0]) // block_size)
 
 
 def _span(buckets: list[tuple[int, int]]) -> str:

@@ -80,7 +80,9 @@ class LLMEngine:
         self._pipelined = self._schedules_ahead()
         self._inflight: _InFlight | None = None
         # async_output_proc: the thread forwards run on, and the last step's outputs, made while the next one runs
-        self._forwards = _ForwardThread() if self._pipelined or self._overlaps() else None
+        # (scheduling ahead makes them so anyway: its plain steps, under speculation, make their own at once)
+        self._defers = self._overlaps() and not self._pipelined
+        self._forwards = _ForwardThread() if self._pipelined or self._defers else None
         if self._forwards is not None:  # an engine let go without close() stops its thread too
             weakref.finalize(self, self._forwards.stop)
         self._pending: list[_Emit | RequestOutput] = []
@@ -139,10 +141,9 @@ class LLMEngine:
         """Does this engine schedule and launch step N+1 before step N's tokens are committed (`async_scheduling`)?"""
         if not self.config.async_scheduling:
             return False
-        if self.workers is not None or self.scheduler.spec is not None:
-            # NOTE: a draft needs the last token's value on the host, and other ranks' collectives would run on the
-            # forward thread: neither is built
-            log.warning("async_scheduling does not run with speculative decoding or tensor parallelism; it is off")
+        if self.workers is not None:
+            # NOTE: other ranks' collectives would run on the forward thread: not built
+            log.warning("async_scheduling does not run with tensor parallelism; it is off")
             return False
         return True
 
@@ -305,7 +306,7 @@ class LLMEngine:
         try:
             self._commit(batch, samples, tokens, logprobs, made)
         finally:  # what was committed is reported, whatever fails after it
-            if self._forwards is not None:
+            if self._defers:
                 self._pending = made  # made while the next step runs
             else:
                 outputs += [m if isinstance(m, RequestOutput) else self._emit_or_fail(m) for m in made]
@@ -331,11 +332,23 @@ class LLMEngine:
 
     def _step_ahead(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         started = time.perf_counter()
+        spec = self.scheduler.spec
+        if spec is not None and spec.enabled_for(len(self.scheduler.running)):
+            # the step may draft, and a draft is built from the last token's value on the host: the step in flight
+            # is committed first, and this one runs as the plain loop's (speculation where batches are small,
+            # scheduling ahead where they are large enough to turn it off)
+            last, self._inflight = self._inflight, None
+            if last is not None:
+                if last.result is None:
+                    self._sample(last)
+                if not self._finish(last, None, outputs, started):
+                    return outputs  # (it failed and was run again: that was this step)
+            return self._step(outputs)
         last, self._inflight = self._inflight, None
         try:
             if last is not None and last.result is None:
                 self._sample(last)
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(drafts=False)  # (a draft would read the placeholders)
             offloads, loads = self.block_manager.take_copies()
             copies = None
             if offloads or loads:  # on the forward thread: after the running step, which may write those blocks
@@ -368,7 +381,7 @@ class LLMEngine:
         if not batch:
             return outputs
         f = _InFlight(batch, samples, launched=[i for i, s in enumerate(samples) if s])
-        if self.config.itl_slo_ms is not None:  # before the step counts its tokens
+        if self.config.itl_slo_ms is not None or spec is not None:  # before the step counts its tokens
             f.cost_x = _cost_features(batch)
         for r, n, s in zip(batch.reqs, batch.num_new_tokens, samples):
             if r.status is not Status.RUNNING:

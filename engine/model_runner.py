@@ -116,11 +116,10 @@ class ModelRunner:
         buf = self._claim_inputs()
         cu = buf.fill(reqs, starts, tokens, self.block_size)
         B, T, dev = len(reqs), int(cu[-1]), self.device
-        max_blocks = max(len(r.block_table) for r in reqs)
         meta = AttentionMetadata(
             positions=buf.positions[:T].to(dev, non_blocking=True),
             slot_mapping=buf.slot_mapping[:T].to(dev, non_blocking=True),
-            block_tables=buf.block_tables[:B, :max_blocks].to(dev, non_blocking=True),
+            block_tables=buf.block_tables.to(dev, non_blocking=True),
             cu_seqlens_q=buf.cu_seqlens_q[: B + 1].to(dev, non_blocking=True),
             seq_lens=buf.seq_lens[:B].to(dev, non_blocking=True),
             logits_indices=torch.from_numpy(_logits_indices(cu[1:][rows] - 1, extra)).to(dev),

@@ -99,6 +99,7 @@ class Scheduler:
         self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
         self.pressure = PressureLadder(block_manager.num_blocks)  # `mixed` only: the others stay `normal`
         self.spec = Speculation(config, max_model_len, self.step_cost) if config.speculative else None
+        self._drafts = True  # may this step draft (`schedule`)?
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -106,7 +107,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch:
+    def schedule(self, drafts: bool = True) -> Batch:
+        """The next step's batch; with `drafts=False` no request drafts (speculation is skipped this step)."""
+        self._drafts = drafts
         batch = Batch()
         policy = self.config.scheduling
         if policy == "mixed":
@@ -160,7 +163,8 @@ class Scheduler:
             else:
                 self._preempt(req)
         decodes = len(batch) - first
-        if self.spec is not None and decodes and self.spec.enabled_for(decodes) and self.spec.may_pay(decodes):
+        if (self.spec is not None and self._drafts and decodes and self.spec.enabled_for(decodes)
+                and self.spec.may_pay(decodes)):
             budget = self._schedule_drafts(batch, first, budget)
         return budget
 

@@ -17,7 +17,10 @@ class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, pin: bool):
         self.ints = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)  # token ids, positions, slots
         self.input_ids, self.positions, self.slot_mapping = self.ints
-        self.block_tables = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        # a step's block tables, [B, w] for its B sequences and the most blocks one has, contiguous: one copy out,
+        # however narrow the step's tables are beside `max_blocks_per_seq`
+        self.tables = torch.zeros(max_seqs * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self.block_tables = self.tables[:0].view(0, 1)
         self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, pin_memory=pin)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin)
         self.logits_indices = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
@@ -36,8 +39,8 @@ class StepInputs:
 
     def fill(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], block_size: int) -> np.ndarray:
         """Writes the inputs for computing `tokens[i]` of `reqs[i]` at positions from `starts[i]`; returns
-        `cu_seqlens_q` (B + 1 token offsets; the step has `cu[-1]` tokens). A row of the block tables is written up
-        to its request's blocks; entries past them are stale ids, never read (past its context)."""
+        `cu_seqlens_q` (B + 1 token offsets; the step has `cu[-1]` tokens). `block_tables` becomes the step's,
+        [B, most blocks of one request], zero past a request's own."""
         B, bs = len(reqs), block_size
         ns = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=B)
         starts = np.asarray(starts, dtype=np.int64)
@@ -48,7 +51,10 @@ class StepInputs:
         for i, t in enumerate(tokens):
             ids[cu[i] : cu[i + 1]] = t
         pos[:] = np.arange(T) + np.repeat(starts - cu[:-1], ns)
+        w = max(max((len(r.block_table) for r in reqs), default=1), 1)
+        self.block_tables = self.tables[: B * w].view(B, w)
         bt = self.block_tables.numpy()
+        bt.fill(0)
         for i, r in enumerate(reqs):
             bt[i, : len(r.block_table)] = r.block_table
         seq_of_token = np.repeat(np.arange(B), ns)

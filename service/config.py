@@ -216,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="schedule and prepare each step while the last one runs, its new tokens still unknown (they "
                         "reach the next forward on the device), and make the last step's outputs then too: the host's "
-                        "work off the step's critical path; not with speculative decoding or tensor parallelism "
-                        "(default: off)")
+                        "work off the step's critical path; with --speculative only in steps of batches too large "
+                        "to draft (--speculative-disable-by-batch-size), not with tensor parallelism (default: off)")
     e.add_argument("--prefix-store", action=argparse.BooleanOptionalAction, default=d.prefix_store,
                    help="keep the KV of pinned system prompts on disk under $SLUICE_HOME/prefix-store and load it on "
                         "start instead of computing it (default: on)")

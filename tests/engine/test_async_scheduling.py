@@ -168,19 +168,43 @@ def test_aborts(tiny_model_dir):
         assert b[rid][-1][3] == a[rid][-1][3] == "abort" and tokens(a[rid])[: len(tokens(b[rid]))] == tokens(b[rid])
 
 
-def test_speculation_keeps_the_plain_loop(tiny_model_dir, caplog):
-    eng = engine(tiny_model_dir, True, speculative="ngram")
-    assert not eng._pipelined and "async_scheduling does not run with speculative decoding" in caplog.text
+@pytest.mark.parametrize("method, async_output", [("ngram", False), ("ngram", True), ("draft", False)])
+def test_speculation_drafts_in_plain_steps_and_large_batches_run_ahead(tiny_model_dir, caplog, method, async_output):
+    """Under speculative decoding a step that may draft (fewer running requests than
+    `speculative_disable_by_batch_size`) runs as the plain loop's, once the step in flight is committed; larger
+    batches are scheduled ahead and draft nothing (a draft model catches up on their tokens when it drafts again).
+    As the batch shrinks it crosses over. Greedy and seeded requests come out as without speculation or scheduling
+    ahead."""
+    prompts = _prompts() + _prompts(5)
+    ps = [SamplingParams(max_tokens=12 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    ps[3] = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    ps[6] = SamplingParams(max_tokens=20, temperature=0.0, stop=["e"], ignore_eos=True)
+    plain = engine(tiny_model_dir, False)
+    tokens = lambda got: {rid: [t for o in outs for t in o[0]] for rid, outs in got.items()}  # noqa: E731
+    want = tokens(streams(plain, prompts, ps))
+    eng = engine(tiny_model_dir, True, speculative="ngram" if method == "ngram" else f"draft:{tiny_model_dir}",
+                 speculative_adaptive=False,
+                 speculative_disable_by_batch_size=4, async_output_proc=async_output)
+    assert eng._pipelined and "does not run" not in caplog.text
+    spec, launch = eng.scheduler.spec, eng.runner.launch
+    drafted_over_placeholders, ahead, draft = [], [], spec.draft
+    spec.draft = lambda r: drafted_over_placeholders.append(r.num_placeholders) or draft(r)
+    eng.runner.launch = lambda b, s, p=None: (ahead.append(bool(p)), launch(b, s, p))[1]
+    assert tokens(streams(eng, prompts, ps)) == want
+    assert eng.stats()["spec_draft_tokens"] > 0 and drafted_over_placeholders and not any(drafted_over_placeholders)
+    assert sum(ahead) > 5 and "retrying" not in caplog.text
+    eng.check_integrity()
+    eng.close()
 
 
 def _schedule_fails_once(eng: LLMEngine, at: int) -> None:
     schedule, n = eng.scheduler.schedule, [0]
 
-    def flaky():
+    def flaky(**kw):
         n[0] += 1
         if n[0] == at:
             raise RuntimeError("the scheduler failed")
-        return schedule()
+        return schedule(**kw)
     eng.scheduler.schedule = flaky
 
 
