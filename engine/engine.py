@@ -341,6 +341,7 @@ class LLMEngine:
             if last is not None:
                 if last.result is None:
                     self._sample(last)
+                last.cost_x = None  # (waited for now, not a period of the loop: no step time to learn from)
                 if not self._finish(last, None, outputs, started):
                     return outputs  # (it failed and was run again: that was this step)
             return self._step(outputs)
