@@ -10,9 +10,10 @@ Two kinds of bucket:
 - decode: B sequences of one token each, B in `capture_sizes` (1, 2, 4, 8, then multiples of 16); the attention
   runs its decode tiling, with the KV split when the batch leaves SMs idle;
 - mixed (`cudagraph_mode="full"`): up to T tokens, in `token_sizes` (multiples of 16, then steps of at most an
-  eighth), over `max_num_seqs` sequences and a few for padding: decodes and prompt chunks together. The whole forward, attention included, is recorded: the one
-  Triton launch covers any mix of query lengths, so nothing stays outside the graph (vLLM records such steps
-  piecewise, around attention, because its attention backends plan on the host per step; this kernel does not).
+  eighth), over `max_num_seqs` sequences and a few for padding: decodes and prompt chunks together. The whole
+  forward, attention included, is recorded: the one Triton launch covers any mix of query lengths, so nothing stays
+  outside the graph (vLLM records such steps piecewise, around attention, because its attention backends plan on
+  the host per step; this kernel does not).
 
 What makes one recording right for every step of its bucket:
 - the forward reads only the static buffers and the KV pool, and never the host (the Triton launchers read shapes,
@@ -111,13 +112,13 @@ class StepGraphs:
         self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
         self.rows = torch.zeros(s, dtype=torch.int64, device=device)
         self.logits = torch.zeros((s, model.cfg.vocab_size), dtype=torch.float32, device=device)  # every graph's output
-        self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self.replays: dict[Bucket, Callable[[], torch.Tensor]] = {}
         if capture:
             self._capture(device)
         else:
             self.replays = {k: (lambda k=k: self._forward(k)) for k in set(self.decode + self.mixed)}
 
-    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+    def _forward(self, key: Bucket) -> torch.Tensor:
         t, s = key
         meta = AttentionMetadata(positions=self.ints[1, :t], slot_mapping=self.ints[2, :t],
                                  block_tables=self.block_tables[:s], cu_seqlens_q=self.cu_seqlens_q[: s + 1],
@@ -226,5 +227,5 @@ def pad(inputs: StepInputs, cu: np.ndarray, key: Bucket, block_size: int) -> int
     return -(-int(lens[0]) // block_size)
 
 
-def _span(buckets: list[tuple[int, int]]) -> str:
+def _span(buckets: list[Bucket]) -> str:
     return "none" if not buckets else f"{buckets[0][0]}..{buckets[-1][0]}"

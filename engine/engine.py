@@ -160,8 +160,9 @@ class LLMEngine:
             # the torch twins read device values on the host (`.tolist()`, boolean masks): no capture survives that
             log.warning("enforce_eager=False: CUDA graphs need the Triton kernels (SLUICE_KERNELS=torch); running eagerly")
             return None
-        mixed = token_sizes(self.config.max_num_batched_tokens) if self.config.cudagraph_mode == "full" else []
-        return capture_sizes(self.config.max_num_seqs), mixed
+        config = self.config
+        mixed = token_sizes(config.max_num_batched_tokens) if config.cudagraph_mode == "full" else []
+        return capture_sizes(config.max_num_seqs), mixed
 
     def _load_draft(self) -> LlamaModel | None:
         """Speculative decoding's draft model (`speculative="draft:DIR"`): any llama-family model whose tokenizer has

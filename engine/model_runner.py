@@ -92,7 +92,8 @@ class ModelRunner:
         """Graphs at these decode batch sizes and mixed token counts over this runner's model and pool (the step
         inputs grow to hold their padding); `capture=False` runs the buckets eagerly on the graphs' buffers (how the
         CPU tests and gpu_check's dry run check them)."""
-        decode, mixed = buckets(decode_sizes, mixed_tokens, self.max_num_seqs, self.max_blocks_per_seq * self.block_size)
+        max_len = self.max_blocks_per_seq * self.block_size
+        decode, mixed = buckets(decode_sizes, mixed_tokens, self.max_num_seqs, max_len)
         t, s = map(max, zip(*decode, *mixed))
         self._size_inputs(max(t, self.max_num_tokens), max(s, self.max_num_seqs))
         return StepGraphs(self.model, self.kv_caches, decode_sizes, mixed_tokens, self.max_num_seqs,
