@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.cuda_graphs import StepGraphs, buckets
+from engine.cuda_graphs import StepGraphs
 from engine.layout import Layout
 from engine.models import LlamaModel
 from engine.models.llama import AttentionMetadata
@@ -92,12 +92,10 @@ class ModelRunner:
         """Graphs at these decode batch sizes and mixed token counts over this runner's model and pool (the step
         inputs grow to hold their padding); `capture=False` runs the buckets eagerly on the graphs' buffers (how the
         CPU tests and gpu_check's dry run check them)."""
-        max_len = self.max_blocks_per_seq * self.block_size
-        decode, mixed = buckets(decode_sizes, mixed_tokens, self.max_num_seqs, max_len)
-        t, s = map(max, zip(*decode, *mixed))
-        self._size_inputs(max(t, self.max_num_tokens), max(s, self.max_num_seqs))
-        return StepGraphs(self.model, self.kv_caches, decode_sizes, mixed_tokens, self.max_num_seqs,
-                          self.max_blocks_per_seq, self.block_size, self.device, capture=capture)
+        g = StepGraphs(self.model, self.kv_caches, decode_sizes, mixed_tokens, self.max_num_seqs,
+                       self.max_blocks_per_seq, self.block_size, self.device, capture=capture)
+        self._size_inputs(max(g.ints.shape[1], self.max_num_tokens), max(len(g.seq_lens), self.max_num_seqs))
+        return g
 
     def _claim_inputs(self) -> StepInputs:
         """The next set of step inputs, free to rewrite."""
