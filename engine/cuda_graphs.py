@@ -35,7 +35,8 @@ largest recorded first; capture time and memory are logged. The attention's spli
 `max_model_len`, not the context of the moment (a long `max_model_len` and short contexts split more than an eager
 step would).
 
-Steps with drafts run eagerly. Off unless asked for (`EngineConfig.enforce_eager=False`): no GPU has run this code
+A step verifying drafts replays too, its verified positions among the LM-head rows (while they fit: one per the
+bucket's sequences); a draft model's own forwards run eagerly. Off unless asked for (`EngineConfig.enforce_eager=False`): no GPU has run this code
 yet (issue 15). With `capture=False` the buckets run eagerly on the same buffers: how the CPU tests check the
 padding and the buffers against the plain path.
 """
@@ -169,10 +170,11 @@ class StepGraphs:
             return self.mixed[bisect.bisect_left(self.mixed, (num_tokens, 0))]
         return None
 
-    def stage(self, inputs: StepInputs, cu: np.ndarray, rows: list[int],
+    def stage(self, inputs: StepInputs, cu: np.ndarray, rows: np.ndarray,
               fill: tuple[torch.Tensor, Callable[[], torch.Tensor]] | None = None) -> Callable[[], torch.Tensor]:
         """The replay of a step whose inputs `inputs` holds (`StepInputs.fill`, which returned `cu`), padded here to
-        its bucket (`bucket` must have one); `rows`: the sequences whose last token's logits it returns. The replay
+        its bucket (`bucket` must have one); `rows`: the tokens whose logits it returns (at most one per the bucket's
+        sequences: a sequence's last, and with a draft the positions it verifies). The replay
         reads neither the requests nor, once it has run, `inputs`: it copies them into the graphs' buffers first
         (on the thread that runs it, so after any replay launched before it), then, with `fill` = (token indices,
         tokens), sets those tokens' ids to `tokens()`, device values (async scheduling: the tokens the last step
@@ -180,10 +182,10 @@ class StepGraphs:
         next replay."""
         B, T, R = len(cu) - 1, int(cu[-1]), len(rows)
         key = self.bucket(T, B)
-        assert key is not None and B > 0, (T, B)
+        assert key is not None and B > 0 and R <= key[1], (T, B, R)
         t, s = key
         blocks = pad(inputs, cu, key, self.block_size)
-        inputs.logits_indices.numpy()[:R] = cu[1:][rows] - 1
+        inputs.logits_indices.numpy()[:R] = rows
         w = inputs.block_tables.shape[1]
         replay = self.replays[key]
 

@@ -243,10 +243,12 @@ class ModelRunner:
         if tokens is not None:  # each such row's last input token
             dst = torch.from_numpy(np.cumsum(batch.num_new_tokens)[list(placeholders)] - 1).to(self.device)
         starts, new = self._tokens(batch)
-        if self._graphed(batch):
+        extra = [len(batch.reqs[i].draft) for i in rows]  # each sampled row's draft: its positions are verified too
+        if self._graphed(batch, len(rows) + sum(extra)):
             buf = self._claim_inputs()
             cu = buf.fill(batch.reqs, starts, new, self.block_size)
-            return self.graphs.stage(buf, cu, rows, None if tokens is None else (dst, tokens))
+            indices = _logits_indices(cu[1:][rows] - 1, extra)
+            return self.graphs.stage(buf, cu, indices, None if tokens is None else (dst, tokens))
         rows = rows or [0]
         input_ids, meta = self._metadata(batch.reqs, starts, new, rows, [len(batch.reqs[i].draft) for i in rows])
         if self.workers is not None:
@@ -272,11 +274,11 @@ class ModelRunner:
         self.sampled = self.sampler.last
         return [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs]
 
-    def _graphed(self, batch: Batch) -> bool:
-        """Is this a step a graph replays: no draft, and a bucket that holds it?"""
-        g = self.graphs
-        return (g is not None and not any(r.draft for r in batch.reqs)
-                and g.bucket(sum(batch.num_new_tokens), len(batch)) is not None)
+    def _graphed(self, batch: Batch, num_rows: int) -> bool:
+        """Is this a step a graph replays: a bucket holds its tokens and sequences, and has room for its `num_rows`
+        logits rows (one per sequence: drafts' verified positions may not fit)?"""
+        key = None if self.graphs is None else self.graphs.bucket(sum(batch.num_new_tokens), len(batch))
+        return key is not None and num_rows <= key[1]
 
 
 def _logits_indices(last: np.ndarray, drafts: list[int]) -> np.ndarray:

@@ -84,17 +84,19 @@ def test_padding_fits_every_bucket(max_len):
 
 def uncaptured(eng: LLMEngine, mixed: bool = True) -> dict[tuple[int, int, tuple[int, int]], int]:
     """Gives `eng` graphs run eagerly on their buffers: decode buckets, and mixed ones unless `mixed=False`; returns
-    how often each (tokens, sequences, bucket) ran, filled as it runs."""
+    how often each (tokens, sequences, bucket) ran, filled as it runs (and `graphs.logits_rows`)."""
     r, cfg = eng.runner, eng.config
     r.graphs = g = r.step_graphs(capture_sizes(cfg.max_num_seqs),
                                  token_sizes(cfg.max_num_batched_tokens) if mixed else [], capture=False)
     used: dict[tuple[int, int, tuple[int, int]], int] = {}
+    g.logits_rows = []  # (sequences, logits rows) of each replay
     stage = g.stage
 
     def counted(inputs, cu, rows, fill=None):
         T, B = int(cu[-1]), len(cu) - 1
         key = (T, B, g.bucket(T, B))
         used[key] = used.get(key, 0) + 1
+        g.logits_rows.append((B, len(rows)))
         run, tables = stage(inputs, cu, rows, fill), inputs.block_tables.clone()
 
         def checked():  # what the replay reads: the step's tables, and block 0 for the padding sequences' context
@@ -170,20 +172,32 @@ def test_padding_past_a_block_and_chunks_that_sample_nothing(tiny_model_dir):
     assert any(T > B > 1 and T < t for T, B, (t, _) in used), used
 
 
-def test_drafts_run_eagerly(tiny_model_dir):
-    """A step with a request verifying a draft is not a graph's: it runs the plain forward."""
+@pytest.mark.parametrize("setup", ["ngram", "draft model", "rows past the bucket"])
+def test_steps_verifying_drafts_replay(tiny_model_dir, setup):
+    """A step with requests verifying drafts replays as a mixed step, the verified positions among its LM-head rows;
+    a draft model's own forwards stay eager. With 2 sequences (buckets of a few more, for padding) two requests
+    verifying 4 drafts each want 10 rows: those steps run eagerly. The tokens are the plain path's."""
+    kw = {"max_num_seqs": 2} if setup == "rows past the bucket" else {}
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
-                                 speculative="ngram", speculative_adaptive=False))
+                                 speculative="ngram" if setup != "draft model" else f"draft:{tiny_model_dir}",
+                                 speculative_adaptive=False, **kw))
     used = uncaptured(eng)
+    rows = eng.runner.graphs.logits_rows
     prompts = _prompts()[:2]  # the first repeats a pattern: prompt lookup drafts
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
     outs = eng.generate(prompts, params)
     plain = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=64))
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
+    want = plain.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    for a, b in zip(outs, want):
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     stats = eng.stats()
     assert stats["spec_draft_tokens"] > 0
-    assert 0 < sum(used.values()) < stats["num_steps"] - 1  # the drafting steps ran eagerly
-    assert any(T > B for T, B, _ in used)  # the prefill did not
+    if setup == "rows past the bucket":
+        seqs = eng.runner.graphs.mixed[0][1]
+        assert 0 < sum(used.values()) < stats["num_steps"] and all(r <= seqs < 10 for _, r in rows)
+    else:
+        assert sum(used.values()) == stats["num_steps"] and any(r > b for b, r in rows)  # drafting steps replayed
 
 
 def test_cpu_engine_ignores_no_enforce_eager(tiny_model_dir, caplog):
