@@ -363,6 +363,7 @@ class BlockManager:
             assert b.ref_count == 1 and b.hash is None, f"block {b.id} of {req} is shared or cached"
             b.ref_count = 0
             self._release(b)
+        req.block_table_seen = min(req.block_table_seen, len(req.block_table))  # (the step inputs' copy: its tail goes)
 
     def free(self, req: Request) -> None:
         """Drops `req`'s blocks; it has nothing computed any more (preempted: recomputed when readmitted)."""

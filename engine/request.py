@@ -103,6 +103,11 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_table: list[int] = []
+        # the step inputs' copy of `block_table` as an array (engine/step_inputs.py): of this list, its first
+        # `block_table_seen` entries (`trim` lowers that: it pops, and appends may follow)
+        self.block_row: Any = None
+        self.block_row_of: list[int] | None = None
+        self.block_table_seen = 0
         self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
         self.num_committed_blocks = 0  # leading blocks already published in the prefix cache
         self.admitted = False  # allocated once already, so cache stats count each prompt once

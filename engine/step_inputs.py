@@ -13,6 +13,25 @@ import torch
 from engine.request import Request
 
 
+def block_row(req: Request) -> np.ndarray:
+    """`req.block_table` as an int32 array, kept with the request and brought up to date here: only the entries
+    appended since the last step are converted (a long context's table is not rebuilt from a Python list every
+    step). The block manager only appends, pops (`trim`, which lowers `block_table_seen`) or starts a new list."""
+    table, n = req.block_table, len(req.block_table)
+    if req.block_row_of is not table:
+        req.block_row_of, req.block_table_seen = table, 0
+    row = req.block_row
+    if row is None or len(row) < n:
+        grown = np.zeros(max(n, 16, 2 * (0 if row is None else len(row))), dtype=np.int32)
+        if row is not None:
+            grown[: req.block_table_seen] = row[: req.block_table_seen]
+        req.block_row = row = grown
+    if req.block_table_seen < n:
+        row[req.block_table_seen : n] = table[req.block_table_seen :]
+    req.block_table_seen = n
+    return row[:n]
+
+
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, pin: bool):
         self.ints = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)  # token ids, positions, slots
@@ -56,7 +75,8 @@ class StepInputs:
         bt = self.block_tables.numpy()
         bt.fill(0)
         for i, r in enumerate(reqs):
-            bt[i, : len(r.block_table)] = r.block_table
+            row = block_row(r)
+            bt[i, : len(row)] = row
         seq_of_token = np.repeat(np.arange(B), ns)
         slots[:] = bt[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
         self.cu_seqlens_q.numpy()[: B + 1] = cu
