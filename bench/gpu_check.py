@@ -423,7 +423,7 @@ def graph_rows(dev: str, batches: list[int], steps: int, mixed: tuple[int, int])
     import gc
 
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.cuda_graphs import capture_sizes, token_sizes
+    from engine.cuda_graphs import graph_sizes
 
     vocab = VOCAB[dev]
 
@@ -442,8 +442,7 @@ def graph_rows(dev: str, batches: list[int], steps: int, mixed: tuple[int, int])
                                      max_num_batched_tokens=budget, max_model_len=1024, num_kv_blocks=4096,
                                      enforce_eager=not (graphs and dev == "cuda"), **kw))
         if graphs and dev != "cuda":
-            mixed_tokens = token_sizes(eng.config.max_num_batched_tokens) if eng.config.cudagraph_mode == "full" else []
-            eng.runner.graphs = eng.runner.step_graphs(capture_sizes(max(batches)), mixed_tokens, capture=False)
+            eng.runner.graphs = eng.runner.step_graphs(*graph_sizes(eng.config), capture=False)
         return eng
 
     def decode(eng: LLMEngine, bs: int, chunk: int = 0) -> tuple[float, float]:
@@ -501,10 +500,12 @@ def graph_rows(dev: str, batches: list[int], steps: int, mixed: tuple[int, int])
             eng.close()
         return state[mode]
 
+    def pct(x: float) -> str:
+        return "–" if x != x else f"{x:.0%}"  # (nan: not measured)
+
     def row(bs: int) -> Row:
         (g_ms, g_busy), (e_ms, e_busy) = measured("graphs")[bs], measured("eager")[bs]
         a_ms, a_busy = measured("graphs + async scheduling")[bs]
-        pct = lambda x: "–" if x != x else f"{x:.0%}"  # noqa: E731 (nan: not measured)
         r = Row("decode step: graphs vs eager", f"{'0.5B-shaped bf16' if dev == 'cuda' else 'tiny fp32'}, batch {bs}, "
                 f"ms/step {g_ms:.2f} vs {e_ms:.2f}, GPU busy {pct(g_busy)} vs {pct(e_busy)}; graphs + async "
                 f"scheduling {a_ms:.2f} ms/step, GPU busy {pct(a_busy)}")
@@ -513,7 +514,6 @@ def graph_rows(dev: str, batches: list[int], steps: int, mixed: tuple[int, int])
         return r
 
     def mixed_row() -> Row:
-        pct = lambda x: "–" if x != x else f"{x:.0%}"  # noqa: E731 (nan: not measured)
         modes = ("graphs", "graphs (decode only)", "eager")
         got = {m: measured(m)[-1] for m in modes}
         r = Row("mixed step: graphs vs decode-only graphs vs eager",

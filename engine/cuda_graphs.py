@@ -50,6 +50,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from engine.config import EngineConfig
 from engine.models import LlamaModel
 from engine.models.llama import AttentionMetadata
 from engine.step_inputs import StepInputs
@@ -78,6 +79,13 @@ def token_sizes(max_num_tokens: int) -> list[int]:
         t = sizes[-1]
         sizes.append(t + max(16, 1 << (t.bit_length() - 4)))
     return sizes
+
+
+def graph_sizes(config: EngineConfig) -> tuple[list[int], list[int]]:
+    """What an engine of `config` captures: its decode batch sizes, and its mixed token counts (none under
+    `cudagraph_mode="full_decode_only"`)."""
+    mixed = token_sizes(config.max_num_batched_tokens) if config.cudagraph_mode == "full" else []
+    return capture_sizes(config.max_num_seqs), mixed
 
 
 Bucket = tuple[int, int]  # (tokens, sequences), padding included

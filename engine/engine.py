@@ -22,7 +22,7 @@ import kernels
 from engine import loader
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_dir, sluice_home
-from engine.cuda_graphs import capture_sizes, token_sizes
+from engine.cuda_graphs import graph_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
@@ -160,9 +160,7 @@ class LLMEngine:
             # the torch twins read device values on the host (`.tolist()`, boolean masks): no capture survives that
             log.warning("enforce_eager=False: CUDA graphs need the Triton kernels (SLUICE_KERNELS=torch); running eagerly")
             return None
-        config = self.config
-        mixed = token_sizes(config.max_num_batched_tokens) if config.cudagraph_mode == "full" else []
-        return capture_sizes(config.max_num_seqs), mixed
+        return graph_sizes(self.config)
 
     def _load_draft(self) -> LlamaModel | None:
         """Speculative decoding's draft model (`speculative="draft:DIR"`): any llama-family model whose tokenizer has
@@ -914,7 +912,7 @@ class _InFlight:
     sampling's, on the forward thread), the generators before it sampled, each sampled request's row in it (what
     the next step's forward reads), the requests it gave a placeholder, what it counted computed ahead of time and
     the block table each request had then (a new table: preempted since), the prompt tokens it computes and, with
-    an ITL target, its step-cost features."""
+    an ITL target or speculation, its step-cost features."""
 
     batch: Batch
     samples: list[bool]

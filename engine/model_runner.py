@@ -249,8 +249,9 @@ class ModelRunner:
             cu = buf.fill(batch.reqs, starts, new, self.block_size)
             indices = _logits_indices(cu[1:][rows] - 1, extra)
             return self.graphs.stage(buf, cu, indices, None if tokens is None else (dst, tokens))
-        rows = rows or [0]
-        input_ids, meta = self._metadata(batch.reqs, starts, new, rows, [len(batch.reqs[i].draft) for i in rows])
+        if not rows:  # (so no draft either: a drafting request samples)
+            rows, extra = [0], [0]
+        input_ids, meta = self._metadata(batch.reqs, starts, new, rows, extra)
         if self.workers is not None:
             self.workers.step(input_ids, meta)
 

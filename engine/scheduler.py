@@ -99,7 +99,6 @@ class Scheduler:
         self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
         self.pressure = PressureLadder(block_manager.num_blocks)  # `mixed` only: the others stay `normal`
         self.spec = Speculation(config, max_model_len, self.step_cost) if config.speculative else None
-        self._drafts = True  # may this step draft (`schedule`)?
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -109,11 +108,10 @@ class Scheduler:
 
     def schedule(self, drafts: bool = True) -> Batch:
         """The next step's batch; with `drafts=False` no request drafts (speculation is skipped this step)."""
-        self._drafts = drafts
         batch = Batch()
         policy = self.config.scheduling
         if policy == "mixed":
-            budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens)
+            budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts)
             if self.config.itl_slo_ms is not None:  # the prompt tokens a step can add and still meet the target
                 drafting = [r for r in batch.reqs if r.draft]
                 extra = 0.0
@@ -130,12 +128,12 @@ class Scheduler:
             self._admit(batch, budget, chunked=True)
         elif policy == "prefill_first":
             if not self._admit(batch, self.whole_prompt_budget, chunked=False):
-                self._schedule_decodes(batch, self.config.max_num_batched_tokens)
+                self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts)
         else:  # static
             if not self.running:
                 self._admit(batch, self.whole_prompt_budget, chunked=False)
             else:
-                self._schedule_decodes(batch, self.config.max_num_batched_tokens)
+                self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts)
         return batch
 
     def _next_prompt_context(self) -> int:
@@ -147,7 +145,7 @@ class Scheduler:
 
     # -- building blocks -------------------------------------------------------------------
 
-    def _schedule_decodes(self, batch: Batch, budget: int) -> int:
+    def _schedule_decodes(self, batch: Batch, budget: int, drafts: bool) -> int:
         first = len(batch)
         for req in list(self.running):
             if budget <= 0 or len(batch) >= self.config.max_num_seqs:
@@ -163,7 +161,7 @@ class Scheduler:
             else:
                 self._preempt(req)
         decodes = len(batch) - first
-        if (self.spec is not None and self._drafts and decodes and self.spec.enabled_for(decodes)
+        if (self.spec is not None and drafts and decodes and self.spec.enabled_for(decodes)
                 and self.spec.may_pay(decodes)):
             budget = self._schedule_drafts(batch, first, budget)
         return budget

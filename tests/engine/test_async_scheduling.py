@@ -34,6 +34,11 @@ def engine(model, ahead: bool, graphs: bool = False, **kw) -> LLMEngine:
     return eng
 
 
+def tokens(got: dict[str, list[tuple]]) -> dict[str, list[int]]:
+    """`streams`' outputs as each request's tokens, however the steps chunked them."""
+    return {rid: [t for o in outs for t in o[0]] for rid, outs in got.items()}
+
+
 def all_params(eng: LLMEngine) -> list[SamplingParams]:
     """`params()` (greedy with logprobs, seeded top-p, stop strings, seeded penalties, EOS), an unseeded request,
     and one (r6, on `_prompts()[2]`) that stops at the token id its greedy run reaches at its 6th token."""
@@ -164,8 +169,8 @@ def test_aborts(tiny_model_dir):
     b = streams(engine(tiny_model_dir, True), prompts, ps, abort_at={5: "r0", 9: "r1"})
     assert a["r2"] == b["r2"]
     for rid in ("r0", "r1"):
-        tokens = lambda s: [t for o in s for t in o[0]]  # noqa: E731
-        assert b[rid][-1][3] == a[rid][-1][3] == "abort" and tokens(a[rid])[: len(tokens(b[rid]))] == tokens(b[rid])
+        ta, tb = tokens({rid: a[rid]})[rid], tokens({rid: b[rid]})[rid]
+        assert b[rid][-1][3] == a[rid][-1][3] == "abort" and ta[: len(tb)] == tb
 
 
 @pytest.mark.parametrize("method, async_output", [("ngram", False), ("ngram", True), ("draft", False)])
@@ -180,7 +185,6 @@ def test_speculation_drafts_in_plain_steps_and_large_batches_run_ahead(tiny_mode
     ps[3] = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     ps[6] = SamplingParams(max_tokens=20, temperature=0.0, stop=["e"], ignore_eos=True)
     plain = engine(tiny_model_dir, False)
-    tokens = lambda got: {rid: [t for o in outs for t in o[0]] for rid, outs in got.items()}  # noqa: E731
     want = tokens(streams(plain, prompts, ps))
     eng = engine(tiny_model_dir, True, speculative="ngram" if method == "ngram" else f"draft:{tiny_model_dir}",
                  speculative_adaptive=False,
@@ -237,7 +241,6 @@ def test_an_itl_target_sizes_chunks_from_the_loops_period(tiny_model_dir):
     """With `itl_slo_ms` the step-cost model learns from each step's period (one launch to the next) and sizes
     prompt chunks by it. The chunks depend on timing (in both loops), so only the tokens are compared."""
     prompts, ps = _prompts(), [GREEDY] * len(_prompts())
-    tokens = lambda got: {r: [t for o in s for t in o[0]] for r, s in got.items()}  # noqa: E731
     plain = streams(engine(tiny_model_dir, False, itl_slo_ms=40.0, max_num_batched_tokens=64), prompts, ps)
     eng = engine(tiny_model_dir, True, itl_slo_ms=40.0, max_num_batched_tokens=64)
     assert tokens(streams(eng, prompts, ps)) == tokens(plain)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import StepGraphs, buckets, capture_sizes, token_sizes
+from engine.cuda_graphs import StepGraphs, buckets, capture_sizes, graph_sizes, token_sizes
 from tests.engine.test_spec import _prompts
 
 
@@ -86,8 +86,8 @@ def uncaptured(eng: LLMEngine, mixed: bool = True) -> dict[tuple[int, int, tuple
     """Gives `eng` graphs run eagerly on their buffers: decode buckets, and mixed ones unless `mixed=False`; returns
     how often each (tokens, sequences, bucket) ran, filled as it runs (and `graphs.logits_rows`)."""
     r, cfg = eng.runner, eng.config
-    r.graphs = g = r.step_graphs(capture_sizes(cfg.max_num_seqs),
-                                 token_sizes(cfg.max_num_batched_tokens) if mixed else [], capture=False)
+    decode, tokens = graph_sizes(cfg)
+    r.graphs = g = r.step_graphs(decode, tokens if mixed else [], capture=False)
     used: dict[tuple[int, int, tuple[int, int]], int] = {}
     g.logits_rows = []  # (sequences, logits rows) of each replay
     stage = g.stage
