@@ -1,15 +1,27 @@
 """IncrementalDetokenizer on the tiny model's byte-level BPE tokenizer: deltas add up to the full decode,
-never split a UTF-8 character, and never show any part of a matched stop string; plus stop strings end to end."""
+never split a UTF-8 character, and never show any part of a matched stop string; plus stop strings end to end.
+Every test runs twice: decoding with the tokenizer's DecodeStream, and in Python (slow tokenizers, or a stream
+that gave up). Then the two side by side on random ids, also for a SentencePiece-style tokenizer."""
 from __future__ import annotations
+
+import random
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+import engine.detokenizer
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 
 PROMPT = "Hello world, "
+
+
+@pytest.fixture(autouse=True, params=["stream", "python"])
+def path(request, monkeypatch) -> str:
+    if request.param == "python":
+        monkeypatch.setattr(engine.detokenizer, "_stream", lambda backend, context: None)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +228,83 @@ def test_engine_stop_string(eng):
     out = eng.generate([prompt], p)[0]
     assert out.finish_reason == "stop" and out.text == full.text[:cut]
     assert full.token_ids[: len(out.token_ids)] == out.token_ids and len(out.token_ids) < 32
+
+
+# -- DecodeStream and the Python decoding side by side ---------------------------------------------
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2's decoder: "▁" for spaces, bytes as <0xNN> tokens, the leading
+    space stripped), built by hand: a few words, and every byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "▁Hello", "▁world", "lo", "▁a", "b", "."]
+    tk = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>", byte_fallback=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>")
+
+
+def _deltas(tok, context: list[int], ids: list[int], stops: list[str], python: bool) -> tuple[list[str], bool]:
+    """The deltas, and whether they came from a stream."""
+    d = IncrementalDetokenizer(tok, context, stops)
+    if python:
+        d.stream = None
+    streamed = d.stream is not None
+    deltas, _ = stream(d, ids)
+    return deltas, streamed
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_the_stream_and_python_decode_alike(tok, path, kind):
+    if path == "python":
+        pytest.skip("compares both paths itself")
+    t = tok if kind == "byte-level" else _metaspace_tokenizer()
+    vocab, streamed = len(t), 0
+    rng = random.Random(15)
+    for _ in range(300):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        context = ids[: rng.randrange(0, 7)]
+        out = ids[len(context) :]
+        stops = rng.choice([[], [t.decode(ids[-2:])[-2:] or "x"]])
+        fast, used = _deltas(t, context, out, stops, False)
+        assert fast == _deltas(t, context, out, stops, True)[0], (context, out, stops)
+        # a context ending mid-character decodes in Python (the stream would repeat it)
+        assert used == (not t.decode(context, skip_special_tokens=True).endswith("\ufffd")), context
+        streamed += used
+    assert streamed >= 100  # most contexts: the metaspace vocabulary is mostly bytes, often mid-character
+
+
+def test_leading_spaces_come_from_the_prompt(path):
+    t = _metaspace_tokenizer()
+    hello, world = t.convert_tokens_to_ids(["▁Hello", "▁world"])
+    assert "".join(_deltas(t, [], [hello, world], [], path == "python")[0]) == "Hello world"
+    assert "".join(_deltas(t, [hello], [world], [], path == "python")[0]) == " world"  # not stripped: mid-text
+
+
+def test_a_stream_that_gives_up_goes_on_in_python(tok, prompt_ids, byte_ids, path):
+    if path == "python":
+        pytest.skip("the stream's fallback")
+    text = "héllo 😀 世界"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    d = IncrementalDetokenizer(tok, prompt_ids, [])
+    deltas = []
+    for i, t in enumerate(ids):
+        if i == 3:
+            real = d.stream
+
+            class GivesUp:  # what tokenizers does on an invalid prefix
+                def step(self, tokenizer, token):
+                    real.step(tokenizer, token)
+                    raise Exception("Invalid prefix encountered")
+
+            d.stream = GivesUp()
+        d.add_token(t)
+        deltas.append(d.delta(False))
+        if i >= 3:
+            assert d.stream is None
+    d.flush()
+    deltas.append(d.delta(True))
+    assert "".join(deltas) == text and all("\ufffd" not in x for x in deltas)
