@@ -572,9 +572,9 @@ class LLMEngine:
 
     def _count_prompt_tokens(self, batch: Batch) -> None:
         for r, n in zip(batch.reqs, batch.num_new_tokens):
-            if r.status is not Status.RUNNING:  # failed or preempted while its step ran (its blocks are gone)
-                continue
-            self.prompt_tokens_computed += _prompt_tokens(r, n)
+            # (a decode computes none; a request that failed or was preempted while its step ran has no blocks)
+            if r.num_computed_tokens < r.num_prompt_tokens and r.status is Status.RUNNING:
+                self.prompt_tokens_computed += _prompt_tokens(r, n)
 
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> _Emit:
         """A step's new tokens for `req` (more than one when verification kept draft tokens), in order, until one

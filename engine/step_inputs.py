@@ -7,6 +7,8 @@ allocated once, pinned on CUDA so the copies out are asynchronous, and come in s
 """
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -67,16 +69,16 @@ class StepInputs:
         np.cumsum(ns, out=cu[1:])
         T = int(cu[-1])
         ids, pos, slots = self.ints.numpy()[:, :T]
-        for i, t in enumerate(tokens):
-            ids[cu[i] : cu[i + 1]] = t
+        ids[:] = np.fromiter(chain.from_iterable(tokens), dtype=np.int64, count=T)
         pos[:] = np.arange(T) + np.repeat(starts - cu[:-1], ns)
-        w = max(max((len(r.block_table) for r in reqs), default=1), 1)
+        rows = [block_row(r) for r in reqs]
+        lens = np.fromiter(map(len, rows), dtype=np.int64, count=B)
+        w = max(int(lens.max(initial=1)), 1)
         self.block_tables = self.tables[: B * w].view(B, w)
         bt = self.block_tables.numpy()
         bt.fill(0)
-        for i, r in enumerate(reqs):
-            row = block_row(r)
-            bt[i, : len(row)] = row
+        if B:
+            bt[np.arange(w) < lens[:, None]] = np.concatenate(rows)  # row-major: each row's blocks, then zeros
         seq_of_token = np.repeat(np.arange(B), ns)
         slots[:] = bt[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
         self.cu_seqlens_q.numpy()[: B + 1] = cu

@@ -70,3 +70,5 @@ def test_fill_writes_each_step_table_zero_past_its_blocks():
         assert row[: len(r.block_table)].tolist() == r.block_table and not row[len(r.block_table):].any()
     assert np.array_equal(inp.slot_mapping[:24].numpy() // 4,
                           np.concatenate([np.repeat(r.block_table, 4)[: r.num_tokens] for r in reqs]))
+    assert inp.input_ids[:24].tolist() == [t for r in reqs for t in r.token_ids]
+    assert inp.positions[:24].tolist() == [p for r in reqs for p in range(r.num_tokens)]
