@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -74,13 +75,15 @@ def chats(run: Run, eng, sz: Sizes, n: int, tag: str) -> list[Chat]:
 class Server:
     """`bench.serve_host` in a subprocess on a free port, with the bench's thread environment."""
 
-    def __init__(self, run: Run, engine_flags: list[str]):
+    def __init__(self, run: Run, engine_flags: list[str], probe: bool = True):
+        """`probe=False`: `python -m service` itself, without the lag probe (which wakes the loop every 5 ms)."""
         self.lag_file = Path(tempfile.mkstemp(prefix="sluice-lag-", suffix=".f64")[1])
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 — closed in stop(), read by tail()
-        cmd = [sys.executable, "-m", "bench.serve_host", str(self.lag_file), "--model", str(run.model_dir),
+        main = ["bench.serve_host", str(self.lag_file)] if probe else ["service"]
+        cmd = [sys.executable, "-m", *main, "--model", str(run.model_dir),
                "--dtype", run.dtype, "--port", str(self.port), "--log-level", "warning", *engine_flags]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy(),
                                      cwd=Path(__file__).resolve().parent.parent)
@@ -132,7 +135,8 @@ class Server:
         self.log.close()
 
 
-async def _sessions(url: str, reqs: list[Chat], bar) -> Trace:
+async def _sessions(url: str, reqs: list[Chat], bar, on_start: Callable[[], None] | None = None) -> Trace:
+    """Every session connects and waits for `ready`; then (after `on_start`) all send their chat at once."""
     from websockets.asyncio.client import connect
 
     tr = Trace()
@@ -147,6 +151,8 @@ async def _sessions(url: str, reqs: list[Chat], bar) -> Trace:
                 raise RuntimeError(f"expected ready, got {hello}")
             ready += 1
             if ready == len(reqs):
+                if on_start is not None:
+                    on_start()
                 tr.start = time.monotonic()
                 go.set()
             await go.wait()
@@ -168,7 +174,8 @@ async def _sessions(url: str, reqs: list[Chat], bar) -> Trace:
     return tr
 
 
-def run_server(server: Server, reqs: list[Chat], desc: str, progress: bool, nice: int = CLIENT_NICE) -> Trace:
+def run_server(server: Server, reqs: list[Chat], desc: str, progress: bool, nice: int = CLIENT_NICE,
+               on_start: Callable[[], None] | None = None) -> Trace:
     """Runs the client in a thread of its own at niceness `nice` (Linux sets it per thread)."""
     import uvloop
 
@@ -177,7 +184,7 @@ def run_server(server: Server, reqs: list[Chat], desc: str, progress: bool, nice
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         with tqdm(total=sum(r.max_tokens for r in reqs), desc=desc, unit="tok", leave=False, disable=not progress) as bar:
-            return uvloop.run(_sessions(server.url, reqs, bar))
+            return uvloop.run(_sessions(server.url, reqs, bar, on_start))
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(client).result()
