@@ -204,3 +204,8 @@ def _chat_id_of(frame: str | bytes) -> str | None:
 def encode(msg: ServerMessage) -> str:
     """One text frame. WebSocket text frames carry `str`, hence the decode of msgspec's UTF-8 bytes."""
     return _encoder.encode(msg).decode()
+
+
+def encode_utf8(msg: ServerMessage) -> bytes:
+    """`encode`'s frame as msgspec writes it, UTF-8: for a socket that takes a text frame's bytes as they are."""
+    return _encoder.encode(msg)

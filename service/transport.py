@@ -19,10 +19,13 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.utils import get_client_addr
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import InvalidState
 
 from service.openai_api import error_response
 
 log = logging.getLogger("sluice.transport")
+# the ASGI scope extension under which SluiceWebSocketProtocol offers `send_text_now` (service/ws.py uses it)
+SEND_TEXT_NOW = "sluice.send_text_now"
 
 # Where a connection is: waiting on its client for a request head or the rest of a body, or the app answers.
 Phase = Literal["head", "body", "busy"]
@@ -237,6 +240,26 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.conn.logger = _DebugInfo(self.conn.logger, {})
+
+    def handle_connect(self, event: h11.Request) -> None:
+        super().handle_connect(event)
+        if getattr(self, "scope", None) is not None:  # (absent when the upgrade itself was refused)
+            self.scope["extensions"][SEND_TEXT_NOW] = self.send_text_now
+
+    def send_text_now(self, data: bytes) -> bool:
+        """Writes a text frame of UTF-8 `data` to the socket now, without the ASGI layers in between (the `send`
+        of `{"type": "websocket.send", "text": ...}` does the same after them). False, and nothing written, where
+        that `send` would wait or refuse: before the handshake, while the socket's write buffer is over its high
+        water mark, or once the socket is closing."""
+        if (not self.handshake_complete or self.initial_response is not None or self.close_sent or self.disconnected
+                or not self.writable.is_set() or self.transport.is_closing()):
+            return False
+        try:
+            self.conn.send_text(data)
+        except InvalidState:  # the peer's close frame came in: `send` raises ClientDisconnected for this
+            return False
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        return True
 
     def send_receive_event_to_app(self) -> None:
         if self.curr_msg_data_type == "text" and not self.close_sent:

@@ -1,6 +1,11 @@
 """WebSocket endpoint `/v1/ws` (docs/protocol.md): the socket side of a connection. Its protocol is a
 `ws_session.Session` (no I/O); here are the upgrade checks, authentication, and two tasks per connection: this
-one reads (and pauses while the session has too many unsent control replies), one writer is the only sender.
+one reads (and pauses while the session has too many unsent control replies), one writer sends.
+
+Under Sluice's own server (service/transport.py) output the session has is written at once, in the call that
+made it (an engine step's delivery, a control reply), without waking the writer task or the ASGI layers, while
+the socket takes it: a step's fan-out to many sockets is one pass. The writer sends the rest, in order: frames
+the socket's full buffer turned back, a close, everything under another server.
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from service.auth import bearer_token, key_matches, origin_allowed
 from service.budget import LoopBudget
 from service.openai_errors import RETRY_AFTER_S
-from service.protocol import ErrorCode, Error, Hello, decode_client, encode
+from service.protocol import ErrorCode, Error, Hello, ServerMessage, decode_client, encode, encode_utf8
+from service.transport import SEND_TEXT_NOW
 from service.ws_session import Session
 
 if TYPE_CHECKING:
@@ -34,11 +40,36 @@ class Connection:
         self._space = asyncio.Event()  # clear while the session is backlogged
         self._space.set()
         self._budget = LoopBudget()
+        self._send_now = ws.scope.get("extensions", {}).get(SEND_TEXT_NOW)  # Sluice's server only
+        self._writing = False  # the writer task is sending: everything goes through it until it waits again
+        self._unsent: list[ServerMessage] = []  # taken from the session, turned back by the socket: sent first
 
     def _wake_writer(self) -> None:
+        """The session has output: written now where it can be (module docstring), else by the writer task."""
         if self.session.backlogged:
             self._space.clear()
-        self._wake.set()
+        if self._send_now is None or self._writing or self._wake.is_set() or not self._write_now():
+            self._wake.set()
+
+    def _write_now(self) -> bool:
+        """Sends what the session has, in the caller's turn; False if the writer is to take over (a frame the
+        socket turned back, kept in `_unsent`; a close; anything raised, which must not reach the engine step's
+        fan-out that called this: the writer meets it again in its own task)."""
+        frames: list[ServerMessage] = []
+        try:
+            while self.session.close_code is None and (frames := self.session.next_frames()):
+                while frames and self._send_now(encode_utf8(frames[0])):  # False: its buffer is full, or it closes
+                    frames.pop(0)
+                if frames:
+                    self._unsent = frames
+                    return False
+        except Exception:
+            log.exception("writing to a websocket in the caller's turn failed; its writer task takes over")
+            self._unsent = frames
+            return False
+        if not self.session.backlogged:
+            self._space.set()
+        return self.session.close_code is None  # the close is the writer's
 
     def shutdown(self, code: int = WS_1001_GOING_AWAY) -> None:
         """Flush what is pending, then close with `code`."""
@@ -147,8 +178,10 @@ class Connection:
         try:
             while True:
                 await self._wake.wait()
+                self._writing = True
                 self._wake.clear()
-                while frames := self.session.next_frames():
+                while frames := self._unsent or self.session.next_frames():
+                    self._unsent = []
                     for frame in frames:
                         await self.ws.send_text(encode(frame))
                     if not self.session.backlogged:
@@ -156,6 +189,7 @@ class Connection:
                 if self.session.close_code is not None:
                     await self.ws.close(self.session.close_code)
                     return
+                self._writing = False
         except (WebSocketDisconnect, OSError, RuntimeError):
             pass  # the socket is gone; the reader sees the disconnect and cleans up
         finally:
