@@ -15,7 +15,9 @@ import time
 from typing import TYPE_CHECKING
 
 from starlette.responses import PlainTextResponse
-from starlette.status import WS_1001_GOING_AWAY, WS_1008_POLICY_VIOLATION, WS_1013_TRY_AGAIN_LATER
+from starlette.status import (
+    WS_1001_GOING_AWAY, WS_1008_POLICY_VIOLATION, WS_1011_INTERNAL_ERROR, WS_1013_TRY_AGAIN_LATER,
+)
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from service.auth import bearer_token, key_matches, origin_allowed
@@ -40,7 +42,7 @@ class Connection:
         self._space = asyncio.Event()  # clear while the session is backlogged
         self._space.set()
         self._budget = LoopBudget()
-        self._send_now = ws.scope.get("extensions", {}).get(SEND_TEXT_NOW)  # Sluice's server only
+        self._send_now = (ws.scope.get("extensions") or {}).get(SEND_TEXT_NOW)  # Sluice's server only
         self._writing = False  # the writer task is sending: everything goes through it until it waits again
         self._unsent: list[ServerMessage] = []  # taken from the session, turned back by the socket: sent first
 
@@ -52,10 +54,10 @@ class Connection:
             self._wake.set()
 
     def _write_now(self) -> bool:
-        """Sends what the session has, in the caller's turn; False if the writer is to take over (a frame the
-        socket turned back, kept in `_unsent`; a close; anything raised, which must not reach the engine step's
-        fan-out that called this: the writer meets it again in its own task)."""
-        frames: list[ServerMessage] = []
+        """Sends what the session has, in the caller's turn; False if the writer is to take over: a frame the
+        socket turned back (kept in `_unsent`), or a close. Anything raised must not reach the engine step's
+        fan-out that called this: the connection closes with 1011 instead (a frame half written, or a chat's
+        output half taken, cannot be sent again safely), as it did when the writer task met the same error."""
         try:
             while self.session.close_code is None and (frames := self.session.next_frames()):
                 while frames and self._send_now(encode_utf8(frames[0])):  # False: its buffer is full, or it closes
@@ -64,8 +66,9 @@ class Connection:
                     self._unsent = frames
                     return False
         except Exception:
-            log.exception("writing to a websocket in the caller's turn failed; its writer task takes over")
-            self._unsent = frames
+            log.exception("writing to a websocket failed; closing it")
+            self._unsent = []
+            self.session.close(WS_1011_INTERNAL_ERROR)
             return False
         if not self.session.backlogged:
             self._space.set()

@@ -12,10 +12,11 @@ import pytest
 
 from service.config import ServerConfig
 from service.handle import RequestHandle
+from service.protocol import Pong
 from service.state import Service
 from service.transport import SEND_TEXT_NOW
 from service.ws import Connection
-from service.ws_session import _Chat
+from service.ws_session import CONTROL_HIGH_WATER, _Chat
 
 
 class Wire:
@@ -131,28 +132,53 @@ async def test_output_made_while_the_writer_sends_waits_for_it() -> None:
     writer.cancel()
 
 
-async def test_a_socket_that_raises_leaves_its_frames_to_the_writer(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_socket_that_raises_closes_1011_and_the_fan_out_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     wire = Wire()
     conn, writer = _connection(wire)
-    h = _chat(conn, "a")
+    h, other = _chat(conn, "a"), _chat(conn, "b")
     wire.fail_now = True
-    _step(h, "kept")  # the engine step's fan-out that called this goes on
-    assert "writer task takes over" in caplog.text
+    _step(h, "lost")  # raises inside: not out of the engine step's fan-out that called it
+    _step(other, "x")
+    assert "writing to a websocket failed; closing it" in caplog.text
     wire.fail_now = False
-    await _settle()
-    assert wire.frames("a") == ["start:", "delta:kept"] and {how for how, _ in wire.sent} == {"task"}
-    writer.cancel()
+    await asyncio.wait_for(writer, 5)
+    assert wire.closed == 1011 and not [f for _, f in wire.sent if f.get("text") == "lost"]
 
 
 async def test_a_close_is_the_writers_after_what_is_pending() -> None:
     wire = Wire()
     conn, writer = _connection(wire)
     h = _chat(conn, "a")
-    _step(h, "last")
+    _step(h, "first")
+    wire.take_now = False  # full: what is pending now is the writer's
+    _step(h, "pending")
     conn.session.send(conn.session.ready())
     conn.shutdown(1001)
+    wire.take_now = True
+    _step(h, "after")  # made after the close began: never written at once, ahead of the pending frames
     await asyncio.wait_for(writer, 5)
-    assert [f["type"] for _, f in wire.sent] == ["start", "delta", "ready"] and wire.closed == 1001
+    assert [(how, f["type"], f.get("text")) for how, f in wire.sent] == [
+        ("now", "start", None), ("now", "delta", "first"), ("task", "delta", "pending"), ("task", "ready", None),
+        ("task", "delta", "after")] and wire.closed == 1001
+
+
+async def test_the_reader_pauses_until_turned_back_replies_are_sent() -> None:
+    wire = Wire()
+    conn, writer = _connection(wire)
+    wire.take_now = False
+    for i in range(CONTROL_HIGH_WATER + 1):  # the first turned back (the writer's), then 256 queued
+        conn.session.send(Pong(data=str(i)))
+    assert not conn._space.is_set()  # the reader waits
+    wire.take_now = True
+    while len(wire.sent) < CONTROL_HIGH_WATER + 1:
+        await asyncio.sleep(0)
+    await _settle()
+    assert conn._space.is_set()
+    assert [f["data"] for _, f in wire.sent] == [str(i) for i in range(CONTROL_HIGH_WATER + 1)]
+    for _ in range(CONTROL_HIGH_WATER):  # written as they come: never a backlog
+        conn.session.send(Pong(data="again"))
+        assert conn._space.is_set()
+    writer.cancel()
 
 
 async def test_without_the_extension_everything_goes_through_the_writer() -> None:
