@@ -243,6 +243,7 @@ class EngineBridge:
         now = time.monotonic()
         self.stats = result.stats  # NOTE: before any consumer wakes, so they read post-step stats
         self._rate.add(now, int(result.stats.get("generation_tokens", 0)))
+        gaps: list[float] = []  # inter-token latencies, observed together
         for d in result.deliveries:
             handle = self._handles.get(d.request_id)
             if handle is None:
@@ -256,14 +257,16 @@ class EngineBridge:
                     handle.first_token_at = now
                     if self._metrics:
                         self._metrics.observe_first_token(handle.queue_s, now - handle.arrival)
-                elif self._metrics:
-                    self._metrics.observe_inter_token(now - handle.last_token_at)
+                else:
+                    gaps.append(now - handle.last_token_at)
                 handle.last_token_at = now
             handle.push(d.text, d.num_new_tokens, d.logprobs)
             if d.finish_reason is not None:
                 self._finish(handle, d.finish_reason, None)
             else:
                 handle.notify()
+        if gaps and self._metrics:
+            self._metrics.observe_inter_tokens(gaps)
         for f in result.failures:
             handle = self._handles.get(f.request_id)
             if handle is not None:
