@@ -49,9 +49,11 @@ Command = Add | Abort | Stop
 
 
 # ---- engine thread -> loop ------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delivery:
-    """One RequestOutput, made loop-safe: token strings of logprobs are decoded on the engine thread."""
+    """One RequestOutput, made loop-safe: token strings of logprobs are decoded on the engine thread. Nothing
+    changes it once posted; not `frozen`, whose `__init__` sets each field through `object.__setattr__` (2.7 against
+    0.6 µs here, and one is made per streaming request per step)."""
     request_id: str
     token_ids: list[int]
     text: str
