@@ -178,9 +178,9 @@ def measure_batch(run: Run, sz: Sizes, batch: int, params: SamplingParams, basel
     return row
 
 
-def thread_cpu_s(pid: int, tid: int) -> float:
-    """CPU time a thread has run, in seconds (Linux: the scheduler's nanosecond count)."""
-    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+def main_thread_cpu_s(pid: int) -> float:
+    """CPU time process `pid`'s main thread has run, in seconds (Linux: the scheduler's nanosecond count)."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
         return int(f.read().split()[0]) / 1e9
 
 
@@ -206,10 +206,10 @@ def measure_bridge(run: Run, sz: Sizes) -> list[dict]:
             start: dict[str, float] = {}
 
             def on_start() -> None:  # every chat connected, none sent
-                start.update(server.counters(), cpu=thread_cpu_s(pid, pid))
+                start.update(server.counters(), cpu=main_thread_cpu_s(pid))
 
             trace = run_server(server, chats, f"bridge@{batch}", run.progress, on_start=on_start)
-            cpu, end = thread_cpu_s(pid, pid) - start["cpu"], server.counters()
+            cpu, end = main_thread_cpu_s(pid) - start["cpu"], server.counters()
             steps, delivered = end["num_steps"] - start["num_steps"], trace.output_tokens
             assert delivered == batch * tokens, f"{delivered} tokens delivered of {batch * tokens}"
             rows.append({"system": f"batch {batch} served (bridge)", "batch": batch,

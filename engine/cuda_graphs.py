@@ -36,8 +36,8 @@ largest recorded first; capture time and memory are logged. The attention's spli
 step would).
 
 A step verifying drafts replays too, its verified positions among the LM-head rows (while they fit: one per the
-bucket's sequences); a draft model's own forwards run eagerly. Off unless asked for (`EngineConfig.enforce_eager=False`): no GPU has run this code
-yet (issue 15). With `capture=False` the buckets run eagerly on the same buffers: how the CPU tests check the
+bucket's sequences); a draft model's own forwards run eagerly. Off unless asked for
+(`EngineConfig.enforce_eager=False`): no GPU has run this code yet (issue 15). With `capture=False` the buckets run eagerly on the same buffers: how the CPU tests check the
 padding and the buffers against the plain path.
 """
 from __future__ import annotations

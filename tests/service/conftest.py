@@ -20,6 +20,8 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 
+from service.config import ServerConfig
+from service.state import Service
 from tests.server import REPO, Server, free_port, start_server  # noqa: F401  (re-exported to the tests)
 
 # Flags of the shared server; the reference engine in test_ws.py is built from the same values.
@@ -133,3 +135,13 @@ def in_process(app: Any, name: str) -> Iterator[SimpleNamespace]:
     server.should_exit = True
     thread.join(30)
     assert not thread.is_alive()
+
+
+def idle_service(**config: Any) -> Service:
+    """A real `Service` whose engine is never started: the WebSocket tests without an engine feed its handles by hand,
+    as the bridge would."""
+
+    def no_engine() -> Any:
+        raise AssertionError("these tests never start the engine")
+
+    return Service(ServerConfig(**config), no_engine)

@@ -2,21 +2,15 @@
 `Service` whose engine is never started; handles are fed by hand, as the bridge would feed them."""
 from __future__ import annotations
 
-from service.config import ServerConfig
 from service.handle import RequestHandle
 from service.protocol import Cancel, Chat, Delta, Done, Error, Hello, Ping, Pong, Start, StatsRequest, decode_client
-from service.state import Service
 from service.ws_session import CONTROL_HIGH_WATER, Session, _Chat
-
-
-def _no_engine() -> object:
-    raise AssertionError("these tests never start the engine")
+from tests.service.conftest import idle_service
 
 
 def _session(**config: object) -> tuple[Session, list[int]]:
     wakes: list[int] = []
-    svc = Service(ServerConfig(**config), _no_engine)  # type: ignore[arg-type]
-    return Session(svc, lambda: wakes.append(1)), wakes
+    return Session(idle_service(**config), lambda: wakes.append(1)), wakes
 
 
 def _chat(session: Session, chat_id: str) -> RequestHandle:

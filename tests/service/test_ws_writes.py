@@ -10,13 +10,12 @@ import json
 
 import pytest
 
-from service.config import ServerConfig
 from service.handle import RequestHandle
 from service.protocol import Pong
-from service.state import Service
 from service.transport import SEND_TEXT_NOW
 from service.ws import Connection
 from service.ws_session import CONTROL_HIGH_WATER, _Chat
+from tests.service.conftest import idle_service
 
 
 class Wire:
@@ -52,12 +51,8 @@ class Wire:
         return [f"{f['type']}:{f.get('text', '')}" for _, f in self.sent if f.get("id") == chat_id]
 
 
-def _no_engine() -> object:
-    raise AssertionError("these tests never start the engine")
-
-
 def _connection(wire: Wire) -> tuple[Connection, asyncio.Task[None]]:
-    conn = Connection(wire, Service(ServerConfig(), _no_engine))  # type: ignore[arg-type]
+    conn = Connection(wire, idle_service())  # type: ignore[arg-type]
     return conn, asyncio.get_running_loop().create_task(conn._write_loop())
 
 
