@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -464,7 +465,7 @@ class LLMEngine:
     # random generators move during a run; they are put back before every retry and probe, so requests that
     # are not to blame sample exactly what they would have without the failure.
 
-    def _rng_state(self, batch: Batch) -> list[tuple[torch.Generator | SeededStream, torch.Tensor]]:
+    def _rng_state(self, batch: Batch) -> list[tuple[torch.Generator | SeededStream, Any]]:
         gens = [self.runner.sampler.generator, *(r.generator for r in batch.reqs if r.generator is not None)]
         return [(g, g.get_state()) for g in gens]
 
@@ -903,7 +904,7 @@ class _Emit:
     text_ids: list[int] = field(default_factory=list)
     flush: bool = False
     reason: str | None = None
-    rng_state: torch.Tensor | None = None
+    rng_state: tuple[int, int] | None = None  # a SeededStream's
 
 
 @dataclass(eq=False)
@@ -934,7 +935,7 @@ class _InFlight:
             r.num_placeholders -= 1
 
 
-def _restore(rng: list[tuple[torch.Generator | SeededStream, torch.Tensor]]) -> None:
+def _restore(rng: list[tuple[torch.Generator | SeededStream, Any]]) -> None:
     """Puts the generators back where `LLMEngine._rng_state` found them."""
     for g, state in rng:
         g.set_state(state)

@@ -163,7 +163,7 @@ class Checkpoint:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_text_chars: int = 0
-    rng_state: Any = None  # its SeededStream's state (`get_state`: a tensor); None if it has none
+    rng_state: Any = None  # its SeededStream's state (`get_state`: (seed, counter)); None if it has none
 
     def advance(self, token_ids: list[int], text: str, rng_state: Any) -> None:
         """The caller was given these (a `RequestOutput`'s new tokens, text delta and generator state)."""

@@ -42,7 +42,7 @@ def streams(engine: LLMEngine, prompts, ps, abort_at: dict[int, str] | None = No
             engine.abort(abort_at[calls])
         calls += 1
         for o in engine.step():
-            rng = None if o.rng_state is None else o.rng_state.tolist()
+            rng = o.rng_state
             lps = None if not o.logprobs else [(lp.token_id, round(lp.logprob, 4)) for lp in o.logprobs]
             got.setdefault(o.request_id, []).append(
                 (tuple(o.new_token_ids), o.text_delta, o.finished, o.finish_reason, lps, rng, o.error))
