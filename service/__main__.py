@@ -6,12 +6,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from service.config import parse_config
+from service.config import LOG_FORMAT, parse_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     # NOTE: torch's worker threads spin while waiting; on a small CPU box, leaving one core to the
     # event loop keeps streaming latency flat. Must be set before torch is imported.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))

@@ -9,6 +9,7 @@ import logging
 import sys
 import sysconfig
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,14 +74,12 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> Starlette:
-    """The ASGI app. `engine_factory` runs on the engine thread; default: `LLMEngine(EngineConfig(...))`."""
+    """The ASGI app. `engine_factory` runs on the engine thread (and must pickle for `--engine-process`); default:
+    `LLMEngine(EngineConfig(...))`."""
     if engine_factory is None:
         from engine import EngineConfig, LLMEngine
 
-        engine_config = EngineConfig(**config.engine_kwargs())  # bad values fail here, before serving
-
-        def engine_factory() -> Any:
-            return LLMEngine(engine_config)
+        engine_factory = partial(LLMEngine, EngineConfig(**config.engine_kwargs()))  # bad values fail here
 
     svc = Service(config, engine_factory)
     # NOTE: /v1 is one Mount, so its own router answers every /v1/* path: 405 with `Allow` for a wrong method

@@ -5,7 +5,8 @@ Each engine step's outputs cross to the loop in ONE call; undelivered output acc
 `RequestHandle`, so a slow reader costs at most its own completion, and never blocks the engine.
 
 The loop keeps each request's checkpoint (what its caller has been given). When the engine fails, or a step
-runs past `step_timeout`, a new engine thread over the same weights resumes them all from there. A request in
+runs past `step_timeout`, a new engine thread over the same weights (or a new engine process, which loads them
+again) resumes them all from there. A request in
 flight at two failures is not resumed again (it fails alone); more than `MAX_RESTARTS` failures within
 `RESTART_WINDOW_S`, or a rebuilt engine stuck before its first step, give up (docs/architecture.md §11).
 """
@@ -25,7 +26,8 @@ from typing import Any
 
 from engine import Checkpoint, LLMEngine, PromptTooLongError
 from engine.processor import InputProcessor
-from service.engine_thread import Abort, Add, EngineReady, EngineThread, StepResult, Stop
+from service.engine_process import EngineProcess
+from service.engine_thread import Abort, Add, EngineHost, EngineReady, EngineThread, StepResult, Stop
 from service.handle import GenerateRequest, RequestError, RequestHandle, TokenRate
 
 log = logging.getLogger("sluice.bridge")
@@ -51,16 +53,19 @@ class EngineBridge:
 
     def __init__(self, engine_factory: Callable[[], LLMEngine], *, max_queued: int,
                  pinned_system_prompts: Sequence[str] = (), metrics: Any = None, step_timeout: float = 0.0,
-                 rebuildable: bool = True) -> None:
+                 rebuildable: bool = True, engine_process: bool = False) -> None:
         """`step_timeout`: seconds a step may run before its engine is declared stuck and replaced (0: never).
-        `rebuildable`: False for a tensor-parallel engine, whose ranks share its fate: a loss then gives up."""
+        `rebuildable`: False for a tensor-parallel engine, whose ranks share its fate: a loss then gives up.
+        `engine_process`: the engine runs in a process of its own (service/engine_process.py; `engine_factory` must
+        pickle), not on a thread of this one."""
         self._factory = engine_factory
         self._rebuildable = rebuildable
         self._pinned = list(pinned_system_prompts)
         self._max_queued = max_queued
         self._metrics = metrics
         self._step_timeout = step_timeout
-        self._engine: EngineThread | None = None
+        self._host = EngineProcess if engine_process else EngineThread
+        self._engine: EngineHost | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._losses: list[float] = []  # when engines failed, within RESTART_WINDOW_S
         self._ids = itertools.count()
@@ -83,7 +88,7 @@ class EngineBridge:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._engine = EngineThread(self._factory, self, asyncio.get_running_loop(), self._pinned)
+        self._engine = self._host(self._factory, self, asyncio.get_running_loop(), self._pinned)
         self._engine.start()
         if self._step_timeout > 0:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="sluice-engine-watchdog")
@@ -202,7 +207,7 @@ class EngineBridge:
         `keep_cache`: the old engine's thread has ended and its KV is sound: the new one keeps its prefix cache."""
         old = self._engine
         assert old is not None
-        old.abandon()  # from now on nothing of it reaches this loop, even what it queued already
+        old.abandon(stuck)  # from now on nothing of it reaches this loop, even what it queued already
         now = time.monotonic()
         self._losses = [t for t in self._losses if now - t < RESTART_WINDOW_S] + [now]
         if len(self._losses) > MAX_RESTARTS:
@@ -220,9 +225,11 @@ class EngineBridge:
         self.num_restarts += 1
         if self._metrics:
             self._metrics.engine_restarts.inc()
-        # NOTE: the old engine goes through a holder the rebuild empties, so nothing keeps it (its weights) alive
-        thread = EngineThread(partial(_rebuild, [old.engine] if old.engine else [], self._factory, keep_cache), self,
-                              asyncio.get_running_loop(), self._pinned, replacement=True)
+        factory = self._factory  # an engine in another process: its weights are gone with it, loaded again
+        if self._host is EngineThread:
+            # NOTE: the old engine goes through a holder the rebuild empties, so nothing keeps it (its weights) alive
+            factory = partial(_rebuild, [old.engine] if old.engine else [], self._factory, keep_cache)
+        host = self._host(factory, self, asyncio.get_running_loop(), self._pinned, replacement=True)
         for rid, sent in list(self._sent.items()):
             handle = self._handles[rid]
             sent.losses += 1
@@ -235,9 +242,9 @@ class EngineBridge:
                 self._finish(handle, None, RequestError(
                     "internal", f"the engine failed {sent.losses} times while computing this request"))
             else:
-                thread.send(replace(sent.add, resume=sent.checkpoint.copy()))
-        self._engine = thread
-        thread.start()
+                host.send(replace(sent.add, resume=sent.checkpoint.copy()))
+        self._engine = host
+        host.start()
 
     def on_step(self, result: StepResult) -> None:
         now = time.monotonic()

@@ -73,6 +73,7 @@ class ServerConfig:
     max_message_bytes: int = 1 << 20
     timeout_graceful_shutdown: float = 20.0
     engine_iteration_timeout_s: float = 300.0  # a step running longer is stuck: its engine is replaced; 0: never
+    engine_process: bool = True  # the engine in a process of its own, not a thread of the server's
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -106,6 +107,7 @@ class ServerConfig:
         return kwargs
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ENV_PREFIX = "SLUICE_"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -258,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-iteration-timeout-s", type=float, default=d.engine_iteration_timeout_s, metavar="S",
                    help="an engine step running longer than this is stuck: a new engine resumes its requests "
                         "(0: no watchdog; default: %(default)s)")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
+                   help="run the engine in a process of its own: its host work runs beside the server's instead of "
+                        "sharing one interpreter lock; a rebuild after a failure loads the model again "
+                        "(default: %(default)s)")
     s.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s); request text is never logged at info")
     return p

@@ -1,10 +1,11 @@
 """The engine thread: the one thread that builds and touches the `LLMEngine` (docs/architecture.md §1).
 
-The event loop sends it typed commands (`Add`, `Abort`, `Stop`) through a queue; it answers through a
-`Listener` whose methods it schedules on the loop: `ready` once, then one `step` per engine step that
-produced anything; `fatal` once if the engine cannot be built, `lost` once if it fails while serving. The
-engine is the one registry of what runs here. A thread the loop has `abandon`ed (it replaced it) reaches the
-loop no more, even with calls it scheduled before.
+`EngineWorker` is what runs on it, wherever that is: in a process of its own (service/engine_process.py, the
+default) or on a thread of the server's (`EngineThread`, here). The event loop sends it typed commands (`Add`,
+`Abort`, `Stop`); it answers through a `Listener` whose methods its host (an `EngineHost`) schedules on the loop:
+`ready` once, then one `step` per engine step that produced anything; `fatal` once if the engine cannot be built,
+`lost` once if it fails while serving. The engine is the one registry of what runs here. A host the loop has
+`abandon`ed (it replaced it) reaches the loop no more, even with calls scheduled before.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from array import array
+from collections.abc import Callable, MutableSequence, Sequence
+from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any, Protocol
 
 from engine import Checkpoint, DeviceError, LLMEngine, PromptTooLongError, RequestOutput, SamplingParams, StepError
@@ -67,6 +70,14 @@ class Delivery:
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
 
+    def __reduce__(self) -> tuple[type[Delivery], tuple[Any, ...]]:
+        """Pickled as its fields alone (service/engine_process.py sends one per request per step): 0.4 against
+        1.6 ms to pickle and unpickle 256, where the default pickles each slot by name."""
+        return Delivery, _DELIVERY_FIELDS(self)
+
+
+_DELIVERY_FIELDS = attrgetter(*(f.name for f in fields(Delivery)))
+
 
 @dataclass(frozen=True, slots=True)
 class Failure:
@@ -101,71 +112,48 @@ class Listener(Protocol):
     def on_lost(self, message: str, kv_intact: bool) -> None: ...
 
 
-class EngineThread:
-    def __init__(self, factory: Callable[[], LLMEngine], listener: Listener, loop: asyncio.AbstractEventLoop,
-                 pinned_system_prompts: Sequence[str] = (), *, replacement: bool = False) -> None:
-        """`replacement`: its engine replaces one that failed (the loop's watchdog treats it differently)."""
+class EngineWorker:
+    """What runs the engine, on whichever thread hosts it (`EngineThread` here, or the main thread of
+    `service.engine_process`): builds it, takes commands from `inbox`, steps, and posts each result as
+    `post(listener method name, *args)`. `progress` is shared with the host: [0] the monotonic start of the step
+    (or pinning) now running, -1 when none, for the watchdog; [1] the engine steps completed."""
+
+    def __init__(self, factory: Callable[[], LLMEngine], pinned_system_prompts: Sequence[str],
+                 inbox: queue.SimpleQueue[Command], post: Callable[..., None], progress: MutableSequence[float], *,
+                 replacement: bool = False, abandoned: Callable[[], bool] = lambda: False) -> None:
+        """`abandoned`: true once the host's loop replaced this engine: it stops before its next command."""
         self._factory = factory
-        self._listener = listener
-        self._loop = loop
         self._pinned = list(pinned_system_prompts)
-        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self._inbox = inbox
+        self._post = post
+        self._progress = progress
+        self._replacement = replacement
+        self._abandoned = abandoned
         self.engine: LLMEngine | None = None  # once built
-        self.busy_since: float | None = None  # monotonic start of the step (or pinning) now running, for the watchdog
-        self.steps_done = 0  # engine steps completed
-        self.replacement = replacement
-        self.abandoned = False  # set on the loop
 
-    def start(self) -> None:
-        self._thread.start()
+    def _busy(self, since: float | None) -> None:
+        self._progress[0] = -1.0 if since is None else since
 
-    def send(self, command: Command) -> None:
-        self._inbox.put(command)
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-    def abandon(self) -> None:
-        """On the loop: this thread's engine is replaced. Nothing it scheduled reaches the listener from now on
-        (checked when each call runs, so not even what is queued already); it ends after its current step."""
-        self.abandoned = True
-        self._inbox.put(Stop())
-
-    # ---- on the engine thread -------------------------------------------------------------
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        """To the loop. A closed loop means the server is gone: the thread just ends."""
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, fn, args)
-        except RuntimeError:
-            raise SystemExit from None
-
-    def _deliver(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
-        """On the loop."""
-        if not self.abandoned:
-            fn(*args)
-
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             try:
-                if self.replacement:  # a rebuild runs the device (its pool, CUDA graph capture): a hung one shows here
-                    self.busy_since = time.monotonic()
+                if self._replacement:  # a rebuild runs the device (its pool, CUDA graph capture): a hung one shows here
+                    self._busy(time.monotonic())
                 engine = self._factory()
-                self.busy_since = time.monotonic()  # pinning runs the model: a hung device shows here first
+                self._busy(time.monotonic())  # pinning runs the model: a hung device shows here first
                 for text in self._pinned:
                     n = engine.pin_prefix(engine.processor.system_prefix_ids(text))
                     log.info("pinned a system prompt prefix of %d tokens", n)
-                self.busy_since = None
+                self._busy(None)
                 processor = InputProcessor(engine.model_dir, engine.model_config.vocab_size, engine.max_model_len)
             except OSError as e:  # the model directory is missing or unreadable; the message says which and why
                 log.error("cannot load the model: %s", e)
-                return self._post(self._listener.on_fatal, f"cannot load the model: {e}")
+                return self._post("on_fatal", f"cannot load the model: {e}")
             except Exception as e:
                 log.exception("cannot start the engine")
-                return self._post(self._listener.on_fatal, f"cannot start the engine: {type(e).__name__}: {e}")
+                return self._post("on_fatal", f"cannot start the engine: {type(e).__name__}: {e}")
             self.engine = engine
-            self._post(self._listener.on_ready,
-                       EngineReady(engine.model_name, engine.max_model_len, engine.stats(), processor))
+            self._post("on_ready", EngineReady(engine.model_name, engine.max_model_len, engine.stats(), processor))
             while self._iteration(engine):
                 pass
             engine.close()  # told to stop: a tensor-parallel engine's other ranks stop with it
@@ -176,8 +164,7 @@ class EngineThread:
             try:
                 # the KV it cached is sound unless the device failed: the model never ran for what it committed
                 # after a failure, and this thread touches nothing once it has said so
-                self._post(self._listener.on_lost, f"the engine failed: {type(e).__name__}: {e}",
-                           not isinstance(e, DeviceError))
+                self._post("on_lost", f"the engine failed: {type(e).__name__}: {e}", not isinstance(e, DeviceError))
             except SystemExit:
                 pass
 
@@ -191,7 +178,7 @@ class EngineThread:
                 break
         failures: list[Failure] = []
         for command in commands:
-            if self.abandoned:
+            if self._abandoned():
                 return False
             match command:
                 case Stop():
@@ -217,16 +204,16 @@ class EngineThread:
                     log.exception("request %s: its output could not be delivered", o.request_id)
                 failures.append(Failure(o.request_id, "internal", "the engine failed on this request"))
         if deliveries or failures:
-            self._post(self._listener.on_step, StepResult(step_start, deliveries, failures, engine.stats()))
+            self._post("on_step", StepResult(step_start, deliveries, failures, engine.stats()))
         return True
 
     def _step(self, engine: LLMEngine, failures: list[Failure], started: float) -> list[RequestOutput]:
         """One engine step. Anything but a `StepError` escapes: the engine's state can no longer be trusted, and
         the loop resumes its requests in a new one (docs/architecture.md §11)."""
-        self.busy_since = started
+        self._busy(started)
         try:
             outputs = engine.step()
-            self.steps_done += 1
+            self._progress[1] += 1
             return outputs
         except StepError as e:  # the engine dropped exactly these requests; aborts it held come next step
             log.warning("step failed for requests %s: %s", e.request_ids, e)
@@ -234,7 +221,7 @@ class EngineThread:
                             for rid in e.request_ids)
             return e.outputs  # theirs from before the failure (delivered before the failures are)
         finally:
-            self.busy_since = None
+            self._busy(None)
 
     @staticmethod
     def _admit(engine: LLMEngine, add: Add) -> Failure | None:
@@ -252,6 +239,76 @@ class EngineThread:
             what = "resume" if add.resume is not None else "admit"
             return Failure(add.request_id, "internal", f"the engine failed to {what} this request: {type(e).__name__}")
         return None
+
+
+class EngineHost:
+    """What the loop holds of an engine, wherever it runs: commands in (`send`), the listener's calls out, on the
+    loop. An `abandon`ed host (the loop replaced it) reaches the listener no more, even with calls scheduled
+    before (checked as each runs)."""
+
+    engine: LLMEngine | None = None  # its engine, where the loop's process holds it (a rebuild reuses its weights)
+
+    def __init__(self, listener: Listener, loop: asyncio.AbstractEventLoop, progress: MutableSequence[float], *,
+                 replacement: bool) -> None:
+        """`replacement`: its engine replaces one that failed (the loop's watchdog treats it differently)."""
+        self._listener = listener
+        self._loop = loop
+        self._progress = progress
+        self.replacement = replacement
+        self.abandoned = False  # set on the loop
+
+    @property
+    def busy_since(self) -> float | None:
+        """Monotonic start of the step (or pinning) now running; None when none is."""
+        since = self._progress[0]
+        return None if since < 0 else since
+
+    @property
+    def steps_done(self) -> int:
+        return int(self._progress[1])
+
+    def _schedule(self, name: str, *args: Any) -> None:
+        """Off the loop: the listener's `name(*args)`, on the loop. A closed loop means the server is gone."""
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, name, args)
+        except RuntimeError:
+            raise SystemExit from None
+
+    def _deliver(self, name: str, args: tuple[Any, ...]) -> None:
+        """On the loop."""
+        if not self.abandoned:
+            getattr(self._listener, name)(*args)
+
+
+class EngineThread(EngineHost):
+    """The engine on a thread of the loop's process (docs/architecture.md §1)."""
+
+    def __init__(self, factory: Callable[[], LLMEngine], listener: Listener, loop: asyncio.AbstractEventLoop,
+                 pinned_system_prompts: Sequence[str] = (), *, replacement: bool = False) -> None:
+        super().__init__(listener, loop, array("d", [-1.0, 0.0]), replacement=replacement)
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._worker = EngineWorker(factory, pinned_system_prompts, self._inbox, self._schedule, self._progress,
+                                    replacement=replacement, abandoned=lambda: self.abandoned)
+        self._thread = threading.Thread(target=self._worker.run, name="sluice-engine", daemon=True)
+
+    @property
+    def engine(self) -> LLMEngine | None:  # type: ignore[override]
+        return self._worker.engine
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, command: Command) -> None:
+        self._inbox.put(command)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def abandon(self, stuck: bool = False) -> None:
+        """On the loop: this thread's engine is replaced. Nothing it scheduled reaches the listener from now on; it
+        ends after its current step (a stuck one never returns: its thread stays, a daemon, parked)."""
+        self.abandoned = True
+        self._inbox.put(Stop())
 
 
 def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:

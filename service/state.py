@@ -38,7 +38,8 @@ class Service:
         self.bridge = EngineBridge(engine_factory, max_queued=config.max_queued_requests,
                                    pinned_system_prompts=pinned, metrics=self.metrics,
                                    step_timeout=config.engine_iteration_timeout_s,
-                                   rebuildable=(config.tensor_parallel_size or 1) == 1)
+                                   rebuildable=(config.tensor_parallel_size or 1) == 1,
+                                   engine_process=config.engine_process)
         self.connections: set[Closable] = set()  # authenticated; --max-connections counts these
         self.pending_auth = PendingAuth(config.max_pending_auth)  # open, still waiting to send `hello`
         self.http_budgets = PeerBudgets()  # event-loop time spent decoding each peer's HTTP bodies

@@ -133,7 +133,7 @@ def test_503_while_loading_says_when_to_retry() -> None:
         release.wait(10)
         raise RuntimeError("not this time")
 
-    with TestClient(build_app(ServerConfig(served_model_name="m"), engine_factory=factory)) as client:
+    with TestClient(build_app(ServerConfig(served_model_name="m", engine_process=False), engine_factory=factory)) as client:
         r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 503 and r.headers["retry-after"] == "5", (r.status_code, r.headers)
         release.set()

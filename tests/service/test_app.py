@@ -26,7 +26,7 @@ def test_loading_then_failed_engine() -> None:
         release.wait(10)
         raise RuntimeError("no such model: /models/missing")
 
-    app = build_app(ServerConfig(served_model_name="m"), engine_factory=factory)
+    app = build_app(ServerConfig(served_model_name="m", engine_process=False), engine_factory=factory)
     with TestClient(app) as client:
         r = client.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "starting"
@@ -54,7 +54,7 @@ def test_a_missing_ui_is_logged_and_the_api_still_serves(monkeypatch, tmp_path, 
         raise RuntimeError("no engine in this test")
 
     with caplog.at_level("ERROR", logger="sluice.app"):
-        app = build_app(ServerConfig(served_model_name="m"), engine_factory=no_engine)
+        app = build_app(ServerConfig(served_model_name="m", engine_process=False), engine_factory=no_engine)
     assert f"no chat UI: index.html is in none of {tmp_path / 'web'}" in caplog.text
     with TestClient(app) as client:
         assert client.get("/").status_code == 404 and client.get("/health").status_code == 503

@@ -83,7 +83,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_SPECULATIVE": "ngram", "SLUICE_NUM_SPECULATIVE_TOKENS": "6", "SLUICE_NGRAM_PROMPT_LOOKUP_MAX": "3",
         "SLUICE_NGRAM_PROMPT_LOOKUP_MIN": "1", "SLUICE_SPECULATIVE_DISABLE_BY_BATCH_SIZE": "4",
         "SLUICE_SPECULATIVE_ADAPTIVE": "no", "SLUICE_ENFORCE_EAGER": "off", "SLUICE_ASYNC_OUTPUT_PROC": "1",
-        "SLUICE_ASYNC_SCHEDULING": "yes", "SLUICE_CUDAGRAPH_MODE": "FULL_DECODE_ONLY",
+        "SLUICE_ASYNC_SCHEDULING": "yes", "SLUICE_CUDAGRAPH_MODE": "FULL_DECODE_ONLY", "SLUICE_ENGINE_PROCESS": "0",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -95,6 +95,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
         timeout_graceful_shutdown=2.5, log_level="debug", max_pending_auth=7, max_http_connections=99,
         timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_keep_alive=4, engine_iteration_timeout_s=0.0,
+        engine_process=False,
         kv_offload_gb=1.5, prefix_store=False, kv_cache_dtype="int8", tensor_parallel_size=2,
         speculative="ngram", num_speculative_tokens=6, ngram_prompt_lookup_max=3, ngram_prompt_lookup_min=1,
         speculative_disable_by_batch_size=4, speculative_adaptive=False, enforce_eager=False,

@@ -7,6 +7,8 @@ Faults come from the engine factory: its first engine is wrapped to die (or hang
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -66,8 +68,28 @@ def all_streaming(n: int, tokens: int = 2):
     return lambda eng: len(eng.requests) == n and all(r.num_output_tokens >= tokens for r in eng.requests.values())
 
 
-async def started_bridge(factory, step_timeout: float = 0.0) -> EngineBridge:
-    b = EngineBridge(factory, max_queued=256, step_timeout=step_timeout)
+class FaultyProcessEngine:
+    """An engine factory for a bridge with `engine_process` (it pickles; `Fault` lives in the child). The first engine
+    it builds (none has made `marker`) holds its steps until `n` requests are in; once each has streamed 2 tokens,
+    its process kills itself (`kill -9`, as a crash in native code ends it) or hangs forever. Later engines (the
+    ones resuming) are plain."""
+
+    def __init__(self, config: EngineConfig, marker, n: int, how: str) -> None:
+        self.config, self.marker, self.n, self.how = config, marker, n, how
+
+    def __call__(self) -> LLMEngine:
+        eng = LLMEngine(self.config)
+        if self.marker.exists():
+            return eng
+        self.marker.touch()
+        fault = Fault(hold_until=self.n, when=all_streaming(self.n), hang=self.how == "hang")
+        if self.how == "kill":
+            fault.when = lambda e: all_streaming(self.n)(e) and os.kill(os.getpid(), signal.SIGKILL)
+        return fault.wrap(eng)
+
+
+async def started_bridge(factory, step_timeout: float = 0.0, engine_process: bool = False) -> EngineBridge:
+    b = EngineBridge(factory, max_queued=256, step_timeout=step_timeout, engine_process=engine_process)
     b.start()
     for _ in range(1200):
         if b.ready or b.fatal:
@@ -150,6 +172,26 @@ async def test_a_failed_engine_is_replaced_and_every_stream_goes_on(tiny_model_d
         fault.release.set()
         await asyncio.get_running_loop().run_in_executor(None, first.join, 10)
         assert not first._thread.is_alive()  # the stuck one ended once released, and said nothing
+        await b.stop()
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+async def test_an_engine_process_that_dies_or_hangs_is_replaced_and_every_stream_goes_on(tiny_model_dir, reference,
+                                                                                        tmp_path, how):
+    """`--engine-process`: the child is killed (or hangs, and the watchdog kills it) with every request streaming; a
+    new process loads the model and resumes them all. The texts are those of an engine thread without the fault."""
+    expected = await asyncio.get_running_loop().run_in_executor(None, reference, 9)
+    factory = FaultyProcessEngine(engine_config(tiny_model_dir), tmp_path / "built", 9, how)
+    b = await started_bridge(factory, step_timeout=3.0 if how == "hang" else 0.0, engine_process=True)
+    first = b._engine
+    try:
+        got = await run_all(b, requests(9))
+        assert b.num_restarts == 1 and b.fatal is None and b._engine is not first
+        assert got == expected
+        assert leaked_blocks(b) == 0 and not b.recovering
+        await asyncio.get_running_loop().run_in_executor(None, first._process.join, 10)  # (join alone, no kill)
+        assert first._process.exitcode == -signal.SIGKILL  # by its own hand, or the watchdog's
+    finally:
         await b.stop()
 
 
@@ -339,7 +381,7 @@ async def test_64_streams_over_websocket_and_sse_survive_an_engine_death(tiny_mo
     fault = Fault(hold_until=n, when=all_streaming(n, tokens=3))
     # a budget that takes every prompt at once: all 64 stream together, so "each has tokens" comes by construction
     config = ServerConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=1024, max_model_len=MAX_LEN,
-                          max_num_batched_tokens=4096)
+                          max_num_batched_tokens=4096, engine_process=False)  # a thread: the factory is a closure
     app = build_app(config, engine_factory=lambda: fault.wrap(LLMEngine(EngineConfig(**config.engine_kwargs()))))
     with in_process(app, "replay-server") as server:
         bridge = app.state.service.bridge

@@ -39,7 +39,7 @@ async def test_disconnect_in_the_tick_of_the_first_output_aborts(tiny_model_dir)
     from service.config import ServerConfig
     from service.state import Service
 
-    svc = Service(ServerConfig(served_model_name="m"), lambda: LLMEngine(EngineConfig(
+    svc = Service(ServerConfig(served_model_name="m", engine_process=False), lambda: LLMEngine(EngineConfig(
         model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)))
     bridge = svc.bridge
     bridge.start()

@@ -58,7 +58,8 @@ def faulty_engine(config: EngineConfig) -> LLMEngine:
 def faulty(tiny_model_dir) -> Iterator[SimpleNamespace]:
     """The app `sluice serve` builds, over `faulty_engine`, under uvicorn in a thread of this process."""
     config = ServerConfig(model=str(tiny_model_dir), api_key=KEY, num_kv_blocks=512,
-                          max_model_len=MAIN_ENGINE["max_model_len"], max_num_seqs=1)
+                          max_model_len=MAIN_ENGINE["max_model_len"], max_num_seqs=1,
+                          engine_process=False)  # an engine thread: the factory is a closure
     app = build_app(config, engine_factory=lambda: faulty_engine(EngineConfig(**config.engine_kwargs())))
     with in_process(app, "faulty-server") as server:
         yield server
