@@ -11,7 +11,7 @@ import time
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,20 +206,29 @@ class LLMEngine:
         new = LLMEngine(self.config, model=self.model, layout=self.layout, kv_caches=kept, draft_model=self.draft_model)
         if kept is not None:
             new.block_manager.adopt_cache(self.block_manager)
-        new.num_steps, new.prompt_tokens_computed, new.generation_tokens = (
-            self.num_steps, self.prompt_tokens_computed, self.generation_tokens)
-        new.scheduler.num_preemptions = self.scheduler.num_preemptions
-        new.scheduler.pressure.go_on_from(self.scheduler.num_preemptions, self.scheduler.pressure.num_changes)
+        new.go_on_from(self.stats())
+        if new.scheduler.spec and self.scheduler.spec:
+            new.scheduler.spec.num_steps = self.scheduler.spec.num_steps  # (not a stat: the adaptive cap's)
+        return new
+
+    def go_on_from(self, stats: Mapping[str, Any]) -> None:
+        """Its counters go on from another engine's (that one's `stats()`), which it replaces: `rebuilt`, and an
+        engine process started after one that failed (service/engine_process.py), so that a server's counters
+        (`/metrics`) never go back."""
+        bm, spec = self.block_manager, self.scheduler.spec
+        self.num_steps, self.prompt_tokens_computed, self.generation_tokens = (
+            stats["num_steps"], stats["prompt_tokens_computed"], stats["generation_tokens"])
+        self.scheduler.num_preemptions = stats["num_preemptions"]
+        self.scheduler.pressure.go_on_from(stats["num_preemptions"], stats["scheduler_mode_changes"])
         for counter in ("prefix_cache_queries", "prefix_cache_hits", "host_cache_hits", "host_blocks_offloaded",
                         "host_blocks_loaded"):
-            setattr(new.block_manager, counter, getattr(self.block_manager, counter))
-        new.runner.copy_seconds = self.runner.copy_seconds
-        if new.scheduler.spec and self.scheduler.spec:
-            for counter in ("num_draft_tokens", "num_accepted_tokens", "num_steps", "num_declined"):
-                setattr(new.scheduler.spec, counter, getattr(self.scheduler.spec, counter))
-        if new.block_manager.host and self.block_manager.host:
-            new.block_manager.host.evictions = self.block_manager.host.evictions
-        return new
+            setattr(bm, counter, stats[counter])
+        self.runner.copy_seconds = stats["host_copy_seconds"]
+        if spec:
+            spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_declined = (
+                stats["spec_draft_tokens"], stats["spec_accepted_tokens"], stats["spec_declined_steps"])
+        if bm.host:
+            bm.host.evictions = stats["host_cache_evictions"]
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *, fit_max_tokens: bool = True,

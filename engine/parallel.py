@@ -210,8 +210,9 @@ def _unpack(header: torch.Tensor, payload: torch.Tensor):
     return parts[0], meta
 
 
-def _watch_parent(parent: int) -> None:
-    """A worker outlives its engine by at most a second: SIGKILL of the server leaves no rank behind."""
+def watch_parent(parent: int) -> None:
+    """A child process outlives `parent` by at most a second (a thread's loop): a rank its engine, an engine process
+    its server (service/engine_process.py). SIGKILL of the server leaves nothing behind."""
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(1)
@@ -227,7 +228,7 @@ def _worker_main(rank: int, world: int, port: int, config, model_dir: str, devic
 
     import kernels
 
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    threading.Thread(target=watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
     torch.set_num_threads(max(1, torch.get_num_threads() // world))  # N ranks share the cores rank 0 was given
     dev = rank_device(torch.device(device), rank)
     if dev.type == "cuda":

@@ -225,11 +225,14 @@ class EngineBridge:
         self.num_restarts += 1
         if self._metrics:
             self._metrics.engine_restarts.inc()
-        factory = self._factory  # an engine in another process: its weights are gone with it, loaded again
-        if self._host is EngineThread:
+        loop = asyncio.get_running_loop()
+        if self._host is EngineProcess:  # its weights are gone with its process: loaded again, once that has ended
+            host: EngineHost = EngineProcess(self._factory, self, loop, self._pinned, replacement=True, after=old,
+                                             counters=self.stats)
+        else:
             # NOTE: the old engine goes through a holder the rebuild empties, so nothing keeps it (its weights) alive
-            factory = partial(_rebuild, [old.engine] if old.engine else [], self._factory, keep_cache)
-        host = self._host(factory, self, asyncio.get_running_loop(), self._pinned, replacement=True)
+            host = EngineThread(partial(_rebuild, [old.engine] if old.engine else [], self._factory, keep_cache), self,
+                                loop, self._pinned, replacement=True)
         for rid, sent in list(self._sent.items()):
             handle = self._handles[rid]
             sent.losses += 1

@@ -7,26 +7,32 @@ process of its own, the engine's runs beside the loop's.
 The child runs the same `EngineWorker` as `EngineThread`, on its main thread. Commands cross one pipe and the
 listener's calls another, one pickle per message. The busy mark and step count the watchdog reads sit in shared
 memory. On the loop's side a writer thread sends commands (the loop never waits on a pipe), and a reader thread
-receives results and schedules each on the loop.
+starts the child, receives results and schedules each on the loop.
 
 A child that dies without a word (a crash in native code, the OOM killer, `kill -9`) is reported as lost, like an
-engine that raised, and so is one that hangs (the watchdog kills it). Its requests resume in a new process, which
-loads the model again: weights and the prefix cache do not cross processes. A child whose server is gone stops.
+engine that raised, or as fatal before it was ready, like an engine that cannot be built; one that hangs is killed
+by the watchdog. Its requests resume in a new process, which loads the model again (weights and the prefix cache
+do not cross processes; its counters go on from the last stats the loop saw). That process starts once the one it
+replaces has ended, so the device memory it sizes its KV pool from is free. The child ignores SIGINT and SIGTERM
+(a terminal's Ctrl-C, or a service manager's SIGTERM, reach the whole process group: the server decides when its
+engine stops) and ends by itself within a second of its server's death.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
 import threading
-from collections.abc import Callable, MutableSequence, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engine import LLMEngine
+from engine.parallel import watch_parent
 from service.config import LOG_FORMAT
 from service.engine_thread import Command, EngineHost, EngineWorker, Listener, Stop
 
@@ -34,25 +40,33 @@ log = logging.getLogger("sluice.engine_process")
 
 _SPAWN = multiprocessing.get_context("spawn")  # not fork: CUDA, and the threads the loop's process already runs
 _LAST_WORDS = ("on_fatal", "on_lost")  # the calls after which a child posts nothing more
+_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the child's server handles these, not the child
+PREDECESSOR_WAIT_S = 30.0  # how long a replacement waits for the process it replaces to end before killing it
 
 
 class EngineProcess(EngineHost):
-    """`factory` and everything sent must pickle (`partial(LLMEngine, config)` does; a closure does not)."""
+    """`factory` and everything sent must pickle (`partial(LLMEngine, config)` does; a closure does not). `after`:
+    the host this one replaces (it starts once that one's process has ended); `counters`: the last stats of the
+    engine it replaces (its counters go on from them)."""
 
     def __init__(self, factory: Callable[[], LLMEngine], listener: Listener, loop: asyncio.AbstractEventLoop,
-                 pinned_system_prompts: Sequence[str] = (), *, replacement: bool = False) -> None:
+                 pinned_system_prompts: Sequence[str] = (), *, replacement: bool = False,
+                 after: EngineHost | None = None, counters: Mapping[str, Any] | None = None) -> None:
         progress = _SPAWN.RawArray("d", 2)
         progress[0] = -1.0
         super().__init__(listener, loop, progress, replacement=replacement)
         child_commands, self._commands = _SPAWN.Pipe(duplex=False)
         self._results, child_results = _SPAWN.Pipe(duplex=False)
-        root = logging.getLogger()
         self._process = _SPAWN.Process(
             target=_main, name="sluice-engine", daemon=False,  # a daemon may not start children (tensor parallel's ranks)
-            args=(factory, list(pinned_system_prompts), replacement, child_commands, child_results, progress,
-                  root.level))
+            args=(factory, list(pinned_system_prompts), child_commands, child_results, progress,
+                  logging.getLogger().level, os.getpid(), dict(counters) if counters else None))
         self._child_ends = (child_commands, child_results)
+        self._after = after if isinstance(after, EngineProcess) else None
         self._outbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # the child's start against a kill
+        self._started = False  # the child was started (under _lock)
+        self._killed = False  # killed before it started: it never will be (under _lock)
         self._stopping = False  # told to Stop: its end is expected
         self._writer = threading.Thread(target=self._write, name="sluice-engine-writer", daemon=True)
         self._reader = threading.Thread(target=self._read, name="sluice-engine-reader", daemon=True)
@@ -62,11 +76,7 @@ class EngineProcess(EngineHost):
         return self._process.pid
 
     def start(self) -> None:
-        self._process.start()
-        for end in self._child_ends:  # the child's now: once it exits, this side reads EOF
-            end.close()
-        self._writer.start()
-        self._reader.start()
+        self._reader.start()  # it starts the child (once the one this replaces has ended), then reads
 
     def send(self, command: Command) -> None:
         if isinstance(command, Stop):
@@ -74,11 +84,12 @@ class EngineProcess(EngineHost):
         self._outbox.put(command)
 
     def join(self, timeout: float) -> None:
-        self._process.join(timeout)
-        if self._process.is_alive():
+        """Waits until the child has ended and everything it sent was taken; kills it after `timeout`."""
+        self._reader.join(timeout)
+        if self._reader.is_alive():
             log.warning("the engine process did not stop within %.0f s: killing it", timeout)
-            self._process.kill()
-            self._process.join(5.0)
+            self.kill()
+            self._reader.join(5.0)
 
     def abandon(self, stuck: bool = False) -> None:
         """On the loop: this process's engine is replaced. Nothing it sends reaches the listener from now on; it
@@ -86,44 +97,91 @@ class EngineProcess(EngineHost):
         self.abandoned = True
         self.send(Stop())
         if stuck:
-            self._process.kill()
+            self.kill()
+
+    def kill(self) -> None:
+        with self._lock:
+            if self._started:
+                self._process.kill()
+            self._killed = True
+
+    def _start_child(self) -> bool:
+        """On the reader thread. False if it was killed (replaced) before it could start."""
+        if self._after is not None:
+            self._after.join(PREDECESSOR_WAIT_S)
+        # NOTE: the child inherits this thread's signal mask through the spawn's exec: SIGINT and SIGTERM stay blocked
+        # in it until it ignores them (a Ctrl-C while it imports torch would kill it); no signal handler runs here
+        signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        with self._lock:
+            if self._killed:
+                return False
+            self._process.start()
+            self._started = True
+        for end in self._child_ends:  # the child's now: once it exits, this side reads EOF
+            end.close()
+        self._writer.start()
+        return True
 
     def _write(self) -> None:
-        while True:
-            command = self._outbox.get()
-            try:
+        try:
+            while True:
+                command = self._outbox.get()
                 self._commands.send_bytes(pickle.dumps(command, pickle.HIGHEST_PROTOCOL))
-            except OSError:  # the child is gone; the reader says so
-                return
-            if isinstance(command, Stop):
-                self._commands.close()
-                return
+                if isinstance(command, Stop):
+                    return
+        except OSError:  # the child is gone; the reader says so
+            pass
+        except Exception:
+            log.exception("the engine process's commands failed: killing it")
+            self.kill()
+        finally:
+            self._commands.close()
 
     def _read(self) -> None:
-        last_words = False
+        ready = last_words = False
+        failure = None
         try:
+            if not self._start_child():
+                return
             while True:
                 try:
                     data = self._results.recv_bytes()
                 except (EOFError, OSError):
                     break
                 name, args = pickle.loads(data)
+                ready = ready or name == "on_ready"
                 last_words = name in _LAST_WORDS
                 self._schedule(name, *args)
+        except SystemExit:  # the loop is closed: the server is gone (and the child, watching it, goes too)
+            return
+        except Exception as e:  # e.g. a child that could not start, or a message that would not unpickle
+            log.exception("the engine process failed")
+            failure = f"{type(e).__name__}: {e}"
+            self.kill()
+        if self._started:
             self._process.join()
-            if not (last_words or self._stopping or self.abandoned):
-                code = self._process.exitcode or 0
-                how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-                log.error("the engine process %s ended without a word (%s)", self._process.pid, how)
-                self._schedule("on_lost", f"the engine process died ({how})", False)
-        except SystemExit:  # the loop is closed: the server is gone
+        if last_words or self._stopping or self.abandoned:
+            return
+        if failure is None:
+            code = self._process.exitcode or 0
+            failure = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            log.error("the engine process %s ended without a word (%s)", self._process.pid, failure)
+        try:
+            if ready:
+                self._schedule("on_lost", f"the engine process died ({failure})", False)
+            else:  # as an engine that cannot be built: loading it again would fail the same way
+                self._schedule("on_fatal", f"the engine process died while starting ({failure})")
+        except SystemExit:
             pass
 
 
-def _main(factory: Callable[[], LLMEngine], pinned: list[str], replacement: bool, commands: Connection,
-          results: Connection, progress: MutableSequence[float], log_level: int) -> None:
+def _main(factory: Callable[[], LLMEngine], pinned: list[str], commands: Connection, results: Connection,
+          progress: MutableSequence[float], log_level: int, server: int, counters: dict[str, Any] | None) -> None:
     """The child's main thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the process group: the server decides
+    for sig in _SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+    threading.Thread(target=watch_parent, args=(server,), name="sluice-server-watch", daemon=True).start()
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
     threading.Thread(target=_take_commands, args=(commands, inbox), name="sluice-engine-commands", daemon=True).start()
@@ -134,7 +192,9 @@ def _main(factory: Callable[[], LLMEngine], pinned: list[str], replacement: bool
         except OSError:  # the server is gone
             raise SystemExit from None
 
-    EngineWorker(factory, pinned, inbox, post, progress, replacement=replacement).run()
+    # NOTE: its build is not timed by the watchdog, a replacement's neither: it loads the model (from disk), which may
+    # take longer than a step may; the pinning and every step are
+    EngineWorker(factory, pinned, inbox, post, progress, counters=counters).run()
 
 
 def _take_commands(commands: Connection, inbox: queue.SimpleQueue[Command]) -> None:

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from array import array
-from collections.abc import Callable, MutableSequence, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Any, Protocol
@@ -120,15 +120,20 @@ class EngineWorker:
 
     def __init__(self, factory: Callable[[], LLMEngine], pinned_system_prompts: Sequence[str],
                  inbox: queue.SimpleQueue[Command], post: Callable[..., None], progress: MutableSequence[float], *,
-                 replacement: bool = False, abandoned: Callable[[], bool] = lambda: False) -> None:
-        """`abandoned`: true once the host's loop replaced this engine: it stops before its next command."""
+                 watch_build: bool = False, abandoned: Callable[[], bool] = lambda: False,
+                 counters: Mapping[str, Any] | None = None) -> None:
+        """`watch_build`: the busy mark covers building the engine too (a rebuild over the old one's weights runs the
+        device: its pool, CUDA graph capture; a hung one shows there). `abandoned`: true once the host's loop
+        replaced this engine: it stops before its next command. `counters`: the `stats()` of the engine this one
+        replaces, where its own does not carry them (a new process): its counters go on from them."""
         self._factory = factory
         self._pinned = list(pinned_system_prompts)
         self._inbox = inbox
         self._post = post
         self._progress = progress
-        self._replacement = replacement
+        self._watch_build = watch_build
         self._abandoned = abandoned
+        self._counters = counters
         self.engine: LLMEngine | None = None  # once built
 
     def _busy(self, since: float | None) -> None:
@@ -137,9 +142,11 @@ class EngineWorker:
     def run(self) -> None:
         try:
             try:
-                if self._replacement:  # a rebuild runs the device (its pool, CUDA graph capture): a hung one shows here
+                if self._watch_build:
                     self._busy(time.monotonic())
                 engine = self._factory()
+                if self._counters:
+                    engine.go_on_from(self._counters)
                 self._busy(time.monotonic())  # pinning runs the model: a hung device shows here first
                 for text in self._pinned:
                     n = engine.pin_prefix(engine.processor.system_prefix_ids(text))
@@ -288,7 +295,7 @@ class EngineThread(EngineHost):
         super().__init__(listener, loop, array("d", [-1.0, 0.0]), replacement=replacement)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._worker = EngineWorker(factory, pinned_system_prompts, self._inbox, self._schedule, self._progress,
-                                    replacement=replacement, abandoned=lambda: self.abandoned)
+                                    watch_build=replacement, abandoned=lambda: self.abandoned)
         self._thread = threading.Thread(target=self._worker.run, name="sluice-engine", daemon=True)
 
     @property

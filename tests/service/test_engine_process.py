@@ -8,13 +8,20 @@ import os
 import signal
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine_process import EngineProcess
 from service.engine_thread import Abort, Add, Stop
+from tests.server import start_server
 from tests.service.test_engine_thread import LONG, MAX_LEN, Recorder, _ids
+
+
+def dies_while_loading() -> LLMEngine:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+    raise AssertionError("unreachable")
 
 
 def tiny_factory(model_dir) -> partial:
@@ -87,6 +94,45 @@ async def test_a_model_that_cannot_load_is_fatal(tmp_path) -> None:
     assert host._process.exitcode == 0 and rec.lost is None  # its last word was the reason
 
 
+async def test_a_process_that_dies_before_it_is_ready_is_fatal() -> None:
+    rec = Recorder()
+    host = EngineProcess(dies_while_loading, rec, asyncio.get_running_loop())
+    host.start()
+    await rec.until(lambda: rec.fatal is not None, timeout=120)
+    assert "died while starting (killed by signal 9)" in rec.fatal and rec.lost is None
+
+
+async def test_it_ignores_the_signals_its_process_group_gets(started) -> None:
+    """A terminal's Ctrl-C, or a service manager's SIGTERM, reach every process of the group: the server decides."""
+    host, rec = started
+    host.send(Add("long", _ids(8), LONG, fit_max_tokens=True))
+    await rec.until(lambda: len(rec.steps) >= 2)
+    os.kill(host.pid, signal.SIGINT)
+    os.kill(host.pid, signal.SIGTERM)
+    n = len(rec.steps)
+    await rec.until(lambda: len(rec.steps) >= n + 5)  # it steps on
+    assert host._process.is_alive() and rec.lost is None
+
+
+async def test_a_replacement_starts_once_the_process_it_replaces_has_ended(started, tiny_model_dir) -> None:
+    """Its KV pool is sized from the device's free memory: the old process's must be free first."""
+    old, old_rec = started
+    rec = Recorder()
+    stats = {**old_rec.ready.stats, "num_steps": 1000, "generation_tokens": 5000}
+    new = EngineProcess(tiny_factory(tiny_model_dir), rec, asyncio.get_running_loop(), replacement=True, after=old,
+                        counters=stats)
+    new.start()
+    await asyncio.sleep(1.0)
+    assert new.pid is None and old._process.is_alive()  # not started while the old one runs
+    old.send(Stop())
+    await rec.until(lambda: rec.ready is not None, timeout=120)
+    assert not old._process.is_alive()
+    # its counters go on from the engine it replaces (the server's /metrics never go back)
+    assert (rec.ready.stats["num_steps"], rec.ready.stats["generation_tokens"]) == (1000, 5000)
+    new.send(Stop())
+    await asyncio.get_running_loop().run_in_executor(None, new.join, 10)
+
+
 async def test_a_process_whose_server_is_gone_stops_by_itself(started) -> None:
     host, rec = started
     host.send(Add("long", _ids(8), LONG, fit_max_tokens=True))
@@ -96,3 +142,28 @@ async def test_a_process_whose_server_is_gone_stops_by_itself(started) -> None:
     while host._process.is_alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert host._process.exitcode == 0
+
+
+def test_the_engine_process_of_a_killed_server_ends_by_itself(tmp_path) -> None:
+    """`kill -9` of `sluice serve`: nothing of it is left holding the model (or a device)."""
+    server = start_server(tmp_path)
+    try:
+        children = [pid for task in Path(f"/proc/{server.proc.pid}/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
+        engines = [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1, children
+        server.proc.kill()
+        server.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in engines):
+            assert time.monotonic() < deadline, f"the engine process outlived its server: {engines}"
+            time.sleep(0.1)
+    finally:
+        server.stop()
+
+
+def _state(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "zombie"

@@ -188,6 +188,8 @@ async def test_an_engine_process_that_dies_or_hangs_is_replaced_and_every_stream
         got = await run_all(b, requests(9))
         assert b.num_restarts == 1 and b.fatal is None and b._engine is not first
         assert got == expected
+        # every token counted once at least: the new engine's counters go on from the old one's (it made >= 18)
+        assert b.stats["generation_tokens"] >= 9 * N_TOKENS
         assert leaked_blocks(b) == 0 and not b.recovering
         await asyncio.get_running_loop().run_in_executor(None, first._process.join, 10)  # (join alone, no kill)
         assert first._process.exitcode == -signal.SIGKILL  # by its own hand, or the watchdog's
