@@ -5,10 +5,10 @@ Each engine step's outputs cross to the loop in ONE call; undelivered output acc
 `RequestHandle`, so a slow reader costs at most its own completion, and never blocks the engine.
 
 The loop keeps each request's checkpoint (what its caller has been given). When the engine fails, or a step
-runs past `step_timeout`, a new engine thread over the same weights (or a new engine process, which loads them
-again) resumes them all from there. A request in
-flight at two failures is not resumed again (it fails alone); more than `MAX_RESTARTS` failures within
-`RESTART_WINDOW_S`, or a rebuilt engine stuck before its first step, give up (docs/architecture.md §11).
+runs past `step_timeout`, a new engine process (which loads the model again), or a new engine thread over the
+same weights, resumes them all from there. A request in flight at two failures is not resumed again (it fails
+alone); more than `MAX_RESTARTS` failures within `RESTART_WINDOW_S`, or a rebuilt engine stuck before its first
+step, give up (docs/architecture.md §11).
 """
 from __future__ import annotations
 
