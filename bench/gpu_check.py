@@ -345,8 +345,8 @@ MODES = {"eager": {}, "graphs": {"enforce_eager": False},
          "graphs + async outputs": {"enforce_eager": False, "async_output_proc": True},
          "graphs + async scheduling": {"enforce_eager": False, "async_scheduling": True}}
 WORKLOAD_MODES = {m: MODES[m] for m in ("eager", "graphs + async outputs", "graphs + async scheduling")}
-# the server's engine runs in a process of its own (--engine-process, the default); this mode puts it on a thread of
-# the server's, sharing its interpreter lock, for the same load side by side
+# the server's engine runs in a process of its own (--engine-process, the default); on a GPU one more mode puts it on a
+# thread of the server's, sharing its interpreter lock, for the same load side by side (a flag: not in the dry run)
 SERVED_MODES = {**WORKLOAD_MODES, "graphs + async scheduling, engine thread": {
     **MODES["graphs + async scheduling"], "engine_process": False}}
 VOCAB = {"cuda": 8192, "cpu": 1024}  # the tiny tokenizer builder's BPE vocabulary
@@ -575,10 +575,11 @@ SERVED = {"cuda": (256, 2048, (32, 64), 128), "cpu": (4, 24, (4, 8), 3)}
 
 
 def workload_rows(dev: str) -> list[Callable[[], list[Row]]]:
-    """Output tok/s of Sluice in each of WORKLOAD_MODES against transformers' static `generate` (batch 256, sdpa, the same
-    weights) on LOADS, every request at once; then `sluice serve` in each of SERVED_MODES under a WebSocket load: SERVED's chats,
-    all on one shared system prompt, all sent at once (tok/s, TTFT, ITL). Sluice keeps its default step budget
-    (2,048 tokens). bf16 on a GPU; a dry run (fp32, interpreter) checks the plumbing only."""
+    """Output tok/s of Sluice in each of WORKLOAD_MODES against transformers' static `generate` (batch 256, sdpa, the
+    same weights) on LOADS, every request at once; then `sluice serve` in each of SERVED_MODES (WORKLOAD_MODES in a dry
+    run) under a WebSocket load: SERVED's chats, all on one shared system prompt, all sent at once (tok/s, TTFT,
+    ITL). Sluice keeps its default step budget (2,048 tokens). bf16 on a GPU; a dry run (fp32, interpreter) checks
+    the plumbing only."""
     import gc
     import random
     from pathlib import Path
@@ -658,7 +659,7 @@ def workload_rows(dev: str) -> list[Callable[[], list[Row]]]:
                   out_dir=Path(tempfile.mkdtemp(prefix="sluice-gpu-serve-")))
         longest = system_len * 2 + user_len[1] + max_tokens  # the tokenizer's round trip can lengthen the text
         out = []
-        for mode, flags in SERVED_MODES.items():
+        for mode, flags in (SERVED_MODES if dev == "cuda" else WORKLOAD_MODES).items():
             args = ["--device", dev, "--max-num-seqs", str(n), "--max-model-len", str(max_len),
                     "--num-kv-blocks", str(blocks(n, longest)), "--seed", "0",
                     *(f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in flags.items())]

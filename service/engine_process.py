@@ -195,6 +195,10 @@ def _main(factory: Callable[[], LLMEngine], pinned: list[str], commands: Connect
     # NOTE: its build is not timed by the watchdog, a replacement's neither: it loads the model (from disk), which may
     # take longer than a step may; the pinning and every step are
     EngineWorker(factory, pinned, inbox, post, progress, counters=counters).run()
+    # NOTE: what it sent is in the pipe already, and its engine is closed: the interpreter's teardown (torch's
+    # included; over a second on a small CPU) would only delay the server's own stop
+    logging.shutdown()
+    os._exit(0)
 
 
 def _take_commands(commands: Connection, inbox: queue.SimpleQueue[Command]) -> None:
