@@ -227,9 +227,11 @@ class EngineBridge:
             self._metrics.engine_restarts.inc()
         loop = asyncio.get_running_loop()
         if self._host is EngineProcess:  # its weights are gone with its process: loaded again, once that has ended
+            assert isinstance(old, EngineProcess)
             host: EngineHost = EngineProcess(self._factory, self, loop, self._pinned, replacement=True, after=old,
                                              counters=self.stats)
         else:
+            assert isinstance(old, EngineThread)
             # NOTE: the old engine goes through a holder the rebuild empties, so nothing keeps it (its weights) alive
             host = EngineThread(partial(_rebuild, [old.engine] if old.engine else [], self._factory, keep_cache), self,
                                 loop, self._pinned, replacement=True)

@@ -51,7 +51,7 @@ class EngineProcess(EngineHost):
 
     def __init__(self, factory: Callable[[], LLMEngine], listener: Listener, loop: asyncio.AbstractEventLoop,
                  pinned_system_prompts: Sequence[str] = (), *, replacement: bool = False,
-                 after: EngineHost | None = None, counters: Mapping[str, Any] | None = None) -> None:
+                 after: EngineProcess | None = None, counters: Mapping[str, Any] | None = None) -> None:
         progress = _SPAWN.RawArray("d", 2)
         progress[0] = -1.0
         super().__init__(listener, loop, progress, replacement=replacement)
@@ -62,7 +62,7 @@ class EngineProcess(EngineHost):
             args=(factory, list(pinned_system_prompts), child_commands, child_results, progress,
                   logging.getLogger().level, os.getpid(), dict(counters) if counters else None))
         self._child_ends = (child_commands, child_results)
-        self._after = after if isinstance(after, EngineProcess) else None
+        self._after = after
         self._outbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # the child's start against a kill
         self._started = False  # the child was started (under _lock)
@@ -160,7 +160,7 @@ class EngineProcess(EngineHost):
             self.kill()
         if self._started:
             self._process.join()
-        if last_words or self._stopping or self.abandoned:
+        if last_words or self._stopping:  # (abandoning one sends it a Stop)
             return
         if failure is None:
             code = self._process.exitcode or 0

@@ -253,8 +253,6 @@ class EngineHost:
     loop. An `abandon`ed host (the loop replaced it) reaches the listener no more, even with calls scheduled
     before (checked as each runs)."""
 
-    engine: LLMEngine | None = None  # its engine, where the loop's process holds it (a rebuild reuses its weights)
-
     def __init__(self, listener: Listener, loop: asyncio.AbstractEventLoop, progress: MutableSequence[float], *,
                  replacement: bool) -> None:
         """`replacement`: its engine replaces one that failed (the loop's watchdog treats it differently)."""
@@ -299,7 +297,8 @@ class EngineThread(EngineHost):
         self._thread = threading.Thread(target=self._worker.run, name="sluice-engine", daemon=True)
 
     @property
-    def engine(self) -> LLMEngine | None:  # type: ignore[override]
+    def engine(self) -> LLMEngine | None:
+        """Its engine, once built (a rebuild over its weights reuses them)."""
         return self._worker.engine
 
     def start(self) -> None:

@@ -82,10 +82,10 @@ class FaultyProcessEngine:
         if self.marker.exists():
             return eng
         self.marker.touch()
-        fault = Fault(hold_until=self.n, when=all_streaming(self.n), hang=self.how == "hang")
+        when = all_streaming(self.n)
         if self.how == "kill":
-            fault.when = lambda e: all_streaming(self.n)(e) and os.kill(os.getpid(), signal.SIGKILL)
-        return fault.wrap(eng)
+            when = lambda e: all_streaming(self.n)(e) and os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+        return Fault(hold_until=self.n, when=when, hang=self.how == "hang").wrap(eng)
 
 
 async def started_bridge(factory, step_timeout: float = 0.0, engine_process: bool = False) -> EngineBridge:
