@@ -55,10 +55,10 @@ def test_the_quantized_kv_rows_pass_on_the_interpreter() -> None:
 
 
 def test_the_workload_rows_run_end_to_end_in_a_dry_run() -> None:
-    """`bench/gpu_check.sh --only-workloads`, as a GPU session would run it, at the dry run's sizes: Sluice in each
-    mode and transformers on each offline load, then `sluice serve` in each mode under a WebSocket load. A GPU
-    session is short: the plumbing (the transformers baseline, the server's flags, the client) must not be what
-    fails there."""
+    """`bench/gpu_check.sh --only-workloads`, as a GPU session would run it, at the dry run's sizes (and with the CPU
+    kernels: the other sections check the Triton ones): Sluice in each mode and transformers on each offline load,
+    then `sluice serve` in each mode under a WebSocket load. A GPU session is short: the plumbing (the transformers
+    baseline, the server's flags, the client) must not be what fails there."""
     import subprocess
     import sys
 
