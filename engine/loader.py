@@ -108,10 +108,16 @@ class Weights:
         return self.where[name].get_slice(name)[:, start:stop].contiguous()
 
 
-def load_tokenizer(model_dir: str | Path):
+def auto_tokenizer() -> Any:
+    """transformers' `AutoTokenizer`. Its import (~1 s on a small CPU) is what `load_tokenizer`, and unpickling a
+    tokenizer, wait for: a process can call this early, beside other work."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    return AutoTokenizer
+
+
+def load_tokenizer(model_dir: str | Path):
+    return auto_tokenizer().from_pretrained(str(model_dir), local_files_only=True)
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer) -> set[int]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import pickle
 import queue
@@ -32,15 +31,16 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine import LLMEngine
+from engine.loader import auto_tokenizer
 from engine.parallel import watch_parent
+from service import engine_spawn
 from service.config import LOG_FORMAT
+from service.engine_spawn import SIGNALS
 from service.engine_thread import Command, EngineHost, EngineWorker, Listener, Stop
 
 log = logging.getLogger("sluice.engine_process")
 
-_SPAWN = multiprocessing.get_context("spawn")  # not fork: CUDA, and the threads the loop's process already runs
 _LAST_WORDS = ("on_fatal", "on_lost")  # the calls after which a child posts nothing more
-_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the child's server handles these, not the child
 PREDECESSOR_WAIT_S = 30.0  # how long a replacement waits for the process it replaces to end before killing it
 
 
@@ -52,21 +52,16 @@ class EngineProcess(EngineHost):
     def __init__(self, factory: Callable[[], LLMEngine], listener: Listener, loop: asyncio.AbstractEventLoop,
                  pinned_system_prompts: Sequence[str] = (), *, replacement: bool = False,
                  after: EngineProcess | None = None, counters: Mapping[str, Any] | None = None) -> None:
-        progress = _SPAWN.RawArray("d", 2)
-        progress[0] = -1.0
-        super().__init__(listener, loop, progress, replacement=replacement)
-        child_commands, self._commands = _SPAWN.Pipe(duplex=False)
-        self._results, child_results = _SPAWN.Pipe(duplex=False)
-        self._process = _SPAWN.Process(
-            target=_main, name="sluice-engine", daemon=False,  # a daemon may not start children (tensor parallel's ranks)
-            args=(factory, list(pinned_system_prompts), child_commands, child_results, progress,
-                  logging.getLogger().level, os.getpid(), dict(counters) if counters else None))
-        self._child_ends = (child_commands, child_results)
+        self._child = engine_spawn.take()  # started already where `sluice serve` started it early
+        super().__init__(listener, loop, self._child.progress, replacement=replacement)
+        self._process = self._child.process
+        self._commands, self._results = self._child.commands, self._child.results
+        self._engine = (factory, list(pinned_system_prompts), logging.getLogger().level,
+                        dict(counters) if counters else None)  # the child's first command
         self._after = after
         self._outbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # the child's start against a kill
-        self._started = False  # the child was started (under _lock)
-        self._killed = False  # killed before it started: it never will be (under _lock)
+        self._killed = False  # it will never run an engine: killed, or replaced before it started (under _lock)
         self._stopping = False  # told to Stop: its end is expected
         self._writer = threading.Thread(target=self._write, name="sluice-engine-writer", daemon=True)
         self._reader = threading.Thread(target=self._read, name="sluice-engine-reader", daemon=True)
@@ -101,25 +96,24 @@ class EngineProcess(EngineHost):
 
     def kill(self) -> None:
         with self._lock:
-            if self._started:
+            if self._child.started:
                 self._process.kill()
             self._killed = True
 
     def _start_child(self) -> bool:
-        """On the reader thread. False if it was killed (replaced) before it could start."""
+        """On the reader thread: starts the child (unless `sluice serve` did) and sends it its engine. False if it was
+        killed (replaced) before that."""
         if self._after is not None:
             self._after.join(PREDECESSOR_WAIT_S)
-        # NOTE: the child inherits this thread's signal mask through the spawn's exec: SIGINT and SIGTERM stay blocked
-        # in it until it ignores them (a Ctrl-C while it imports torch would kill it); no signal handler runs here
-        signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
         with self._lock:
             if self._killed:
                 return False
-            self._process.start()
-            self._started = True
-        for end in self._child_ends:  # the child's now: once it exits, this side reads EOF
-            end.close()
+            if not self._child.started:
+                self._child.start()
+        self._commands.send_bytes(pickle.dumps(self._engine, pickle.HIGHEST_PROTOCOL))
         self._writer.start()
+        auto_tokenizer()  # imported, as unpickling its `on_ready` needs: now, while the child loads its model
+
         return True
 
     def _write(self) -> None:
@@ -158,7 +152,7 @@ class EngineProcess(EngineHost):
             log.exception("the engine process failed")
             failure = f"{type(e).__name__}: {e}"
             self.kill()
-        if self._started:
+        if self._child.started:
             self._process.join()
         if last_words or self._stopping:  # (abandoning one sends it a Stop)
             return
@@ -175,13 +169,16 @@ class EngineProcess(EngineHost):
             pass
 
 
-def _main(factory: Callable[[], LLMEngine], pinned: list[str], commands: Connection, results: Connection,
-          progress: MutableSequence[float], log_level: int, server: int, counters: dict[str, Any] | None) -> None:
-    """The child's main thread."""
-    for sig in _SIGNALS:
+def serve_engine(commands: Connection, results: Connection, progress: MutableSequence[float], server: int) -> None:
+    """The child's main thread (service/engine_spawn.py starts it): waits for its engine, then runs it."""
+    for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     threading.Thread(target=watch_parent, args=(server,), name="sluice-server-watch", daemon=True).start()
+    try:
+        factory, pinned, log_level, counters = pickle.loads(commands.recv_bytes())
+    except (EOFError, OSError):  # its server is gone before it had an engine
+        os._exit(0)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
     threading.Thread(target=_take_commands, args=(commands, inbox), name="sluice-engine-commands", daemon=True).start()

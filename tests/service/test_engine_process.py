@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from service import engine_spawn
 from service.engine_process import EngineProcess
 from service.engine_thread import Abort, Add, Stop
 from tests.server import start_server
@@ -124,6 +127,33 @@ async def test_a_replacement_starts_once_the_process_it_replaces_has_ended(start
     assert (rec.ready.stats["num_steps"], rec.ready.stats["generation_tokens"]) == (1000, 5000)
     new.send(Stop())
     await asyncio.get_running_loop().run_in_executor(None, new.join, 10)
+
+
+async def test_the_child_started_early_runs_the_first_engine(tiny_model_dir) -> None:
+    """`sluice serve` starts the child before its own imports; the first host takes it, a later one spawns its own."""
+    engine_spawn.start_early()
+    early = engine_spawn._early
+    assert early is not None and early.process.pid is not None
+    rec = Recorder()
+    host = EngineProcess(tiny_factory(tiny_model_dir), rec, asyncio.get_running_loop())
+    assert host.pid == early.process.pid and engine_spawn._early is None
+    assert EngineProcess(tiny_factory(tiny_model_dir), Recorder(), asyncio.get_running_loop()).pid is None
+    host.start()
+    await rec.until(lambda: rec.ready is not None or rec.fatal is not None, timeout=120)
+    host.send(Add("short", _ids(8), SamplingParams(max_tokens=4, ignore_eos=True), fit_max_tokens=True))
+    await rec.until(lambda: "short" in rec.finished())
+    host.send(Stop())
+    await asyncio.get_running_loop().run_in_executor(None, host.join, 30)
+    assert host._process.exitcode == 0 and rec.fatal is None and rec.lost is None
+
+
+def test_a_server_that_fails_before_its_engine_starts_exits_at_once(tiny_model_dir) -> None:
+    """Its early child held nothing yet: killed at exit (multiprocessing would wait for it, and it for its engine:
+    forever)."""
+    proc = subprocess.run([sys.executable, "-m", "service", "serve", "--model", str(tiny_model_dir),
+                           "--tensor-parallel-size", "2", "--kv-offload-gb", "1"],  # argparse takes them, the engine not
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "invalid configuration" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_the_engine_process_of_a_killed_server_ends_by_itself(tmp_path) -> None:
