@@ -189,9 +189,10 @@ def main_thread_cpu_s(pid: int) -> float:
         return int(f.read().split()[0]) / 1e9
 
 
-def measure_bridge(run: Run, sz: Sizes, engine_process: bool = False) -> list[dict]:
-    """The `served (bridge)` rows (module docstring): one server, each batch size in turn; `engine_process`: the
-    server's engine runs in a process of its own (`--engine-process`)."""
+def measure_bridge(run: Run, sz: Sizes) -> list[dict]:
+    """The `served (bridge)` rows (module docstring): two servers, started together, one with its engine on a thread
+    and one with it in a process of its own (`--engine-process`); `run.rounds` rounds of each server in turn (the
+    other idle) at each batch size, keeping each row's round of the shortest served step."""
     from transformers import AutoTokenizer
 
     from bench.serve import Chat, Server, run_server
@@ -199,35 +200,43 @@ def measure_bridge(run: Run, sz: Sizes, engine_process: bool = False) -> list[di
     b_max, tokens = max(sz.batches), BRIDGE_TOKENS[sz]
     tok = AutoTokenizer.from_pretrained(str(run.model_dir))
     vocab = model_config(run.model_dir)["vocab_size"]
-    server = Server(run, ["--max-num-seqs", str(b_max), "--max-num-batched-tokens", str(max(2048, b_max * 64)),
-                          "--max-model-len", str(256 + tokens), "--seed", str(run.seed)]
-                    + ["--engine-process" if engine_process else "--no-engine-process"], probe=False)
-    rows = []
+    flags = ["--max-num-seqs", str(b_max), "--max-num-batched-tokens", str(max(2048, b_max * 64)),
+             "--max-model-len", str(256 + tokens), "--seed", str(run.seed)]
+    servers = {host: Server(run, flags + [flag], probe=False) for host, flag in (
+        ("bridge", "--no-engine-process"), ("bridge, engine process", "--engine-process"))}
+    best: dict[str, dict] = {}
     try:
-        server.wait_ready()
-        pid = server.proc.pid  # its main thread runs the event loop
-        for batch in sz.batches:
-            rng = run.rng(f"host:bridge:{batch}")
-            chats = [Chat(f"b{batch}-{i}", [], tokens, messages=[
-                {"role": "user", "content": tok.decode(run.tokens(rng, sz.prompt, vocab))}]) for i in range(batch)]
-            start: dict[str, float] = {}
+        for server in servers.values():
+            server.wait_ready()
+        for _ in range(run.rounds):
+            for host, server in servers.items():
+                pid = server.proc.pid  # its main thread runs the event loop
+                for batch in sz.batches:
+                    rng = run.rng(f"host:bridge:{batch}")
+                    chats = [Chat(f"b{batch}-{i}", [], tokens, messages=[
+                        {"role": "user", "content": tok.decode(run.tokens(rng, sz.prompt, vocab))}])
+                        for i in range(batch)]
+                    start: dict[str, float] = {}
 
-            def on_start() -> None:  # every chat connected, none sent
-                start.update(server.counters(), cpu=main_thread_cpu_s(pid))
+                    def on_start() -> None:  # every chat connected, none sent
+                        start.update(server.counters(), cpu=main_thread_cpu_s(pid))
 
-            trace = run_server(server, chats, f"bridge@{batch}", run.progress, on_start=on_start)
-            cpu, end = main_thread_cpu_s(pid) - start["cpu"], server.counters()
-            steps, delivered = end["num_steps"] - start["num_steps"], trace.output_tokens
-            assert delivered == batch * tokens, f"{delivered} tokens delivered of {batch * tokens}"
-            wall = trace.end - trace.start
-            rows.append({"system": f"batch {batch} served (bridge{', engine process' if engine_process else ''})",
-                         "batch": batch, "loop_ms": round(1000 * cpu / steps, 3),
-                         "loop_us_per_token": round(1e6 * cpu / delivered, 1), "step_ms": round(1000 * wall / steps, 3),
-                         "itl_p50_ms": ms(pct(itls(trace), 50)), "tok_s": round(delivered / wall, 1),
-                         "steps": int(steps), "tokens": delivered})
+                    trace = run_server(server, chats, f"{host}@{batch}", run.progress, on_start=on_start)
+                    cpu, end = main_thread_cpu_s(pid) - start["cpu"], server.counters()
+                    steps, delivered = end["num_steps"] - start["num_steps"], trace.output_tokens
+                    assert delivered == batch * tokens, f"{delivered} tokens delivered of {batch * tokens}"
+                    wall = trace.end - trace.start
+                    row = {"system": f"batch {batch} served ({host})", "batch": batch,
+                           "loop_ms": round(1000 * cpu / steps, 3),
+                           "loop_us_per_token": round(1e6 * cpu / delivered, 1),
+                           "step_ms": round(1000 * wall / steps, 3), "itl_p50_ms": ms(pct(itls(trace), 50)),
+                           "tok_s": round(delivered / wall, 1), "steps": int(steps), "tokens": delivered}
+                    if row["system"] not in best or row["step_ms"] < best[row["system"]]["step_ms"]:
+                        best[row["system"]] = row
     finally:
-        server.stop()
-    return rows
+        for server in servers.values():
+            server.stop()
+    return list(best.values())
 
 
 def main(run: Run) -> dict:
@@ -247,14 +256,7 @@ def main(run: Run) -> dict:
                 row = measure_batch(run, sz, batch, params, baseline, loop)
                 best = row if best is None or rank(row) < rank(best) else best
             rows.append(best)
-    for _ in range(run.rounds):  # the round of the shortest served step, for each batch and engine host
-        for engine_process in (False, True):
-            for row in measure_bridge(run, sz, engine_process):
-                old = next((r for r in rows if r["system"] == row["system"]), None)
-                if old is None:
-                    rows.append(row)
-                elif row["step_ms"] < old["step_ms"]:
-                    rows[rows.index(old)] = row
+    rows += measure_bridge(run, sz)
     by = {r["system"]: r for r in rows}
     b = max(sz.batches)
 
