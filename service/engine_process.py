@@ -7,7 +7,8 @@ process of its own, the engine's runs beside the loop's.
 The child runs the same `EngineWorker` as `EngineThread`, on its main thread. Commands cross one pipe and the
 listener's calls another, one pickle per message. The busy mark and step count the watchdog reads sit in shared
 memory. On the loop's side a writer thread sends commands (the loop never waits on a pipe), and a reader thread
-starts the child, receives results and schedules each on the loop.
+starts the child (unless `sluice serve` started it before its own imports: service/engine_spawn.py), sends it what
+to build its engine from, receives results and schedules each on the loop.
 
 A child that dies without a word (a crash in native code, the OOM killer, `kill -9`) is reported as lost, like an
 engine that raised, or as fatal before it was ready, like an engine that cannot be built; one that hangs is killed
@@ -56,8 +57,8 @@ class EngineProcess(EngineHost):
         super().__init__(listener, loop, self._child.progress, replacement=replacement)
         self._process = self._child.process
         self._commands, self._results = self._child.commands, self._child.results
-        self._engine = (factory, list(pinned_system_prompts), logging.getLogger().level,
-                        dict(counters) if counters else None)  # the child's first command
+        self._build = (factory, list(pinned_system_prompts), logging.getLogger().level,
+                        dict(counters) if counters else None)  # the child's first command: what it builds
         self._after = after
         self._outbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # the child's start against a kill
@@ -110,10 +111,9 @@ class EngineProcess(EngineHost):
                 return False
             if not self._child.started:
                 self._child.start()
-        self._commands.send_bytes(pickle.dumps(self._engine, pickle.HIGHEST_PROTOCOL))
+        self._commands.send_bytes(pickle.dumps(self._build, pickle.HIGHEST_PROTOCOL))
         self._writer.start()
         auto_tokenizer()  # imported, as unpickling its `on_ready` needs: now, while the child loads its model
-
         return True
 
     def _write(self) -> None:
