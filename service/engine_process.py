@@ -58,7 +58,7 @@ class EngineProcess(EngineHost):
         self._process = self._child.process
         self._commands, self._results = self._child.commands, self._child.results
         self._build = (factory, list(pinned_system_prompts), logging.getLogger().level,
-                        dict(counters) if counters else None)  # the child's first command: what it builds
+                       dict(counters) if counters else None)  # the child's first command: what it builds
         self._after = after
         self._outbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # the child's start against a kill
