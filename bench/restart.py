@@ -3,7 +3,7 @@
 Each round "restarts" an engine (builds a new one, weights loaded) and times, from the engine built: pinning the
 system prompt (`LLMEngine.pin_prefix`, as `--pin-system-prompt` does at start-up), then the first chat on it to
 its first token. `store` loads the prompt's KV from the prefix store (written by an earlier start: the warm-up);
-`no-store` computes it. Both keep the same $SLUICE_HOME (a temporary one).
+`no-store` computes it. Both keep the same $SLUICE_HOME (a temporary one; its native kernels are the real one's).
 """
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 
 from bench import report
 from bench.common import Run, model_config
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import kernel_cache_dir
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ def main(run: Run) -> dict:
     chat = system + run.tokens(rng, sz.user_turn, vocab)
     first_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     home = tempfile.mkdtemp(prefix="sluice-bench-restart-")
+    kernel_cache_dir().mkdir(parents=True, exist_ok=True)
+    os.symlink(kernel_cache_dir(), Path(home) / kernel_cache_dir().name)  # compiled once per CPU, not once per run
     previous = os.environ.get("SLUICE_HOME")
     os.environ["SLUICE_HOME"] = home  # NOTE: read by the engine when it pins (engine.config.sluice_home)
 

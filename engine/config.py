@@ -24,6 +24,11 @@ def sluice_home() -> Path:
     return Path(os.environ.get("SLUICE_HOME", Path.home() / ".cache" / "sluice"))
 
 
+def kernel_cache_dir() -> Path:
+    """Where the native CPU kernels are compiled, once per CPU and source (kernels/cpu/build.py)."""
+    return sluice_home() / "build"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # local HF directory; None = the embedded default (`default_model_dir()`)

@@ -22,7 +22,7 @@ import torch
 import kernels
 from engine import loader
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, default_model_dir, sluice_home
+from engine.config import EngineConfig, default_model_dir, kernel_cache_dir, sluice_home
 from engine.cuda_graphs import graph_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.layout import Layout, placement, plan_layout
@@ -125,7 +125,7 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs, seed=config.seed, kv_caches=kv_caches,
                                   workers=self.workers, draft_model=self.draft_model, graph_sizes=self._graph_sizes())
         if self.device.type == "cpu" and kernels.MODE == "auto":
-            kernels.cpu.load(sluice_home() / "build")  # the native CPU kernels; the torch twins if that fails
+            kernels.cpu.load(kernel_cache_dir())  # the native CPU kernels; the torch twins if that fails
         self.attention_backend = kernels.attention_backend(self.device, self.dtype, layout.cache_dtype)
 
     def _overlaps(self) -> bool:

@@ -221,7 +221,7 @@ def watch_parent(parent: int) -> None:
 def _worker_main(rank: int, world: int, port: int, config, model_dir: str, device: str, dtype: torch.dtype,
                  parent: int, ready) -> None:
     from engine import loader
-    from engine.config import sluice_home
+    from engine.config import kernel_cache_dir
     from engine.layout import KV_DTYPES, Layout
     from engine.model_runner import kv_pool
     from engine.models import LlamaModel
@@ -234,7 +234,7 @@ def _worker_main(rank: int, world: int, port: int, config, model_dir: str, devic
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     elif kernels.MODE == "auto":
-        kernels.cpu.load(sluice_home() / "build")
+        kernels.cpu.load(kernel_cache_dir())
     mc = loader.load_model_config(model_dir)
     shard = Shard.plan(mc, rank, world)
     model = LlamaModel(mc, loader.Weights(model_dir), dev, dtype, shard)

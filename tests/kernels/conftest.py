@@ -13,6 +13,7 @@ import platform
 import pytest
 import torch
 
+from engine.config import kernel_cache_dir
 from kernels.cpu.binding import Native, bind
 from kernels.cpu.build import FLAGS, build
 
@@ -22,10 +23,9 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def native_builds(tmp_path_factory) -> dict[str, Native]:
-    """The native CPU kernels as the engine builds them and, on x86, built without AVX-512 (the plain
-    C++ loops that other CPUs run)."""
-    cache = tmp_path_factory.mktemp("kernels")
-    libs = {"native": bind(build(cache))}
+    """The native CPU kernels the engine builds (the same library, from its cache) and, on x86, built without AVX-512
+    (the plain C++ loops that other CPUs run)."""
+    libs = {"native": bind(build(kernel_cache_dir()))}
     if platform.machine() in ("x86_64", "AMD64"):
-        libs["no-avx512"] = bind(build(cache, (*FLAGS, "-mno-avx512f")))
+        libs["no-avx512"] = bind(build(tmp_path_factory.mktemp("kernels"), (*FLAGS, "-mno-avx512f")))
     return libs
