@@ -15,8 +15,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # NOTE: torch's worker threads spin while waiting; on a small CPU box, leaving one core to the
     # event loop keeps streaming latency flat. Must be set before torch is imported.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
-    if config.engine_process:  # its imports run beside the server's (service/engine_spawn.py)
-        from service.engine_spawn import start_early
+    if config.engine_process:  # its imports run beside the server's (service/engine_child.py)
+        from service.engine_child import start_early
 
         start_early()
     from service.server import serve  # after flag parsing: `--help` must not wait for torch to import

@@ -4,11 +4,11 @@ On a thread, the engine shares the interpreter lock with the event loop, and the
 step, the engine's (schedule, prepare, sample, detokenize) and then the loop's (fan-out, framing, writes). In a
 process of its own, the engine's runs beside the loop's.
 
-The child runs the same `EngineWorker` as `EngineThread`, on its main thread. Commands cross one pipe and the
-listener's calls another, one pickle per message. The busy mark and step count the watchdog reads sit in shared
-memory. On the loop's side a writer thread sends commands (the loop never waits on a pipe), and a reader thread
-starts the child (unless `sluice serve` started it before its own imports: service/engine_spawn.py), sends it what
-to build its engine from, receives results and schedules each on the loop.
+The child runs the same `EngineWorker` as `EngineThread`, on its main thread (service/engine_child.py). Commands
+cross one pipe and the listener's calls another, one pickle per message. The busy mark and step count the watchdog
+reads sit in shared memory. On the loop's side a writer thread sends commands (the loop never waits on a pipe), and
+a reader thread starts the child (unless `sluice serve` started it before its own imports), sends it what to build
+its engine from, receives results and schedules each on the loop.
 
 A child that dies without a word (a crash in native code, the OOM killer, `kill -9`) is reported as lost, like an
 engine that raised, or as fatal before it was ready, like an engine that cannot be built; one that hangs is killed
@@ -22,22 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import pickle
 import queue
-import signal
 import threading
-from collections.abc import Callable, Mapping, MutableSequence, Sequence
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engine import LLMEngine
 from engine.loader import auto_tokenizer
-from engine.parallel import watch_parent
-from service import engine_spawn
-from service.config import LOG_FORMAT
-from service.engine_spawn import SIGNALS
-from service.engine_thread import Command, EngineHost, EngineWorker, Listener, Stop
+from service import engine_child
+from service.engine_thread import Command, EngineHost, Listener, Stop
 
 log = logging.getLogger("sluice.engine_process")
 
@@ -53,7 +47,7 @@ class EngineProcess(EngineHost):
     def __init__(self, factory: Callable[[], LLMEngine], listener: Listener, loop: asyncio.AbstractEventLoop,
                  pinned_system_prompts: Sequence[str] = (), *, replacement: bool = False,
                  after: EngineProcess | None = None, counters: Mapping[str, Any] | None = None) -> None:
-        self._child = engine_spawn.take()  # started already where `sluice serve` started it early
+        self._child = engine_child.take()  # started already where `sluice serve` started it early
         super().__init__(listener, loop, self._child.progress, replacement=replacement)
         self._process = self._child.process
         self._commands, self._results = self._child.commands, self._child.results
@@ -167,44 +161,3 @@ class EngineProcess(EngineHost):
                 self._schedule("on_fatal", f"the engine process died while starting ({failure})")
         except SystemExit:
             pass
-
-
-def serve_engine(commands: Connection, results: Connection, progress: MutableSequence[float], server: int) -> None:
-    """The child's main thread (service/engine_spawn.py starts it): waits for its engine, then runs it."""
-    for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-    threading.Thread(target=watch_parent, args=(server,), name="sluice-server-watch", daemon=True).start()
-    try:
-        factory, pinned, log_level, counters = pickle.loads(commands.recv_bytes())
-    except (EOFError, OSError):  # its server is gone before it had an engine
-        os._exit(0)
-    logging.basicConfig(level=log_level, format=LOG_FORMAT)
-    inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
-    threading.Thread(target=_take_commands, args=(commands, inbox), name="sluice-engine-commands", daemon=True).start()
-
-    def post(name: str, *args: Any) -> None:
-        try:
-            results.send_bytes(pickle.dumps((name, args), pickle.HIGHEST_PROTOCOL))
-        except OSError:  # the server is gone
-            raise SystemExit from None
-
-    # NOTE: its build is not timed by the watchdog, a replacement's neither: it loads the model (from disk), which may
-    # take longer than a step may; the pinning and every step are
-    EngineWorker(factory, pinned, inbox, post, progress, counters=counters).run()
-    # NOTE: what it sent is in the pipe already, and its engine is closed: the interpreter's teardown (torch's
-    # included; over a second on a small CPU) would only delay the server's own stop
-    logging.shutdown()
-    os._exit(0)
-
-
-def _take_commands(commands: Connection, inbox: queue.SimpleQueue[Command]) -> None:
-    """The pipe into the worker's inbox. Its end without a `Stop` means the server is gone: the worker stops."""
-    while True:
-        try:
-            command = pickle.loads(commands.recv_bytes())
-        except (EOFError, OSError):
-            command = Stop()
-        inbox.put(command)
-        if isinstance(command, Stop):
-            return

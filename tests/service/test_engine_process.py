@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from service import engine_spawn
+from service import engine_child
 from service.engine_process import EngineProcess
 from service.engine_thread import Abort, Add, Stop
 from tests.server import start_server
@@ -131,12 +131,12 @@ async def test_a_replacement_starts_once_the_process_it_replaces_has_ended(start
 
 async def test_the_child_started_early_runs_the_first_engine(tiny_model_dir) -> None:
     """`sluice serve` starts the child before its own imports; the first host takes it, a later one spawns its own."""
-    engine_spawn.start_early()
-    early = engine_spawn._early
+    engine_child.start_early()
+    early = engine_child._early
     assert early is not None and early.process.pid is not None
     rec = Recorder()
     host = EngineProcess(tiny_factory(tiny_model_dir), rec, asyncio.get_running_loop())
-    assert host.pid == early.process.pid and engine_spawn._early is None
+    assert host.pid == early.process.pid and engine_child._early is None
     assert EngineProcess(tiny_factory(tiny_model_dir), Recorder(), asyncio.get_running_loop()).pid is None
     host.start()
     await rec.until(lambda: rec.ready is not None or rec.fatal is not None, timeout=120)
