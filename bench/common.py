@@ -69,11 +69,11 @@ def isa() -> list[str]:
 def kernel_path() -> str:
     """Which kernels the engine runs on this host (the CPU build it loads, or would load)."""
     import kernels
-    from engine.config import sluice_home
+    from engine.config import kernel_cache_dir
 
     if torch.cuda.is_available() or kernels.MODE == "triton":
         return "triton"
-    if kernels.MODE == "torch" or not (kernels.cpu.loaded() or kernels.cpu.load(sluice_home() / "build")):
+    if kernels.MODE == "torch" or not (kernels.cpu.loaded() or kernels.cpu.load(kernel_cache_dir())):
         return "torch"  # as the engine does: it loads the same build (a server subprocess too)
     return "native, AMX prefill" if kernels.cpu.amx() else "native, SDPA prefill"
 

@@ -202,10 +202,11 @@ def measure_bridge(run: Run, sz: Sizes) -> list[dict]:
     vocab = model_config(run.model_dir)["vocab_size"]
     flags = ["--max-num-seqs", str(b_max), "--max-num-batched-tokens", str(max(2048, b_max * 64)),
              "--max-model-len", str(256 + tokens), "--seed", str(run.seed)]
-    servers = {host: Server(run, flags + [flag], probe=False) for host, flag in (
-        ("bridge", "--no-engine-process"), ("bridge, engine process", "--engine-process"))}
+    servers: dict[str, Server] = {}
     best: dict[str, dict] = {}
     try:
+        for host, flag in (("bridge", "--no-engine-process"), ("bridge, engine process", "--engine-process")):
+            servers[host] = Server(run, flags + [flag], probe=False)
         for server in servers.values():
             server.wait_ready()
         for _ in range(run.rounds):

@@ -42,7 +42,7 @@ def main(run: Run) -> dict:
     first_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     home = tempfile.mkdtemp(prefix="sluice-bench-restart-")
     kernel_cache_dir().mkdir(parents=True, exist_ok=True)
-    os.symlink(kernel_cache_dir(), Path(home) / kernel_cache_dir().name)  # compiled once per CPU, not once per run
+    os.symlink(kernel_cache_dir().resolve(), Path(home) / kernel_cache_dir().name)  # compiled once per CPU, not once per run
     previous = os.environ.get("SLUICE_HOME")
     os.environ["SLUICE_HOME"] = home  # NOTE: read by the engine when it pins (engine.config.sluice_home)
 

@@ -13,6 +13,7 @@ import pickle
 import queue
 import signal
 import threading
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,9 @@ class EngineChild:
 
     def start(self) -> None:
         # NOTE: the child inherits this thread's signal mask through the spawn's exec: SIGINT and SIGTERM stay blocked
-        # in it until it ignores them (a Ctrl-C while it imports torch would kill it)
+        # in it until it ignores them (a Ctrl-C while it imports torch would kill it). multiprocessing's resource
+        # tracker is started first: starting it (on a process's first spawn) unblocks them, whatever the mask was
+        resource_tracker.ensure_running()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         try:
             self.process.start()
@@ -108,8 +111,8 @@ def start_early() -> None:
     `EngineProcess` takes it. If none does (the server failed to start), it is killed at exit; it held nothing yet."""
     global _early
     _early = EngineChild()
+    atexit.register(_kill_unused)  # first: a Ctrl-C during the start must not leave it behind
     _early.start()
-    atexit.register(_kill_unused)
 
 
 def take() -> EngineChild:
@@ -120,5 +123,5 @@ def take() -> EngineChild:
 
 
 def _kill_unused() -> None:
-    if _early is not None:
+    if _early is not None and _early.process.pid is not None:
         _early.process.kill()

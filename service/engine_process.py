@@ -105,7 +105,11 @@ class EngineProcess(EngineHost):
                 return False
             if not self._child.started:
                 self._child.start()
-        self._commands.send_bytes(pickle.dumps(self._build, pickle.HIGHEST_PROTOCOL))
+        build = pickle.dumps(self._build, pickle.HIGHEST_PROTOCOL)
+        try:
+            self._commands.send_bytes(build)
+        except OSError:  # it is gone already (or killed just now): the reader reads its end, and says how it ended
+            pass
         self._writer.start()
         auto_tokenizer()  # imported, as unpickling its `on_ready` needs: now, while the child loads its model
         return True
@@ -130,6 +134,8 @@ class EngineProcess(EngineHost):
         failure = None
         try:
             if not self._start_child():
+                if self._child.started:  # killed before it had its engine
+                    self._process.join()
                 return
             while True:
                 try:

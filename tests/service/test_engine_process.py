@@ -136,8 +136,12 @@ async def test_the_child_started_early_runs_the_first_engine(tiny_model_dir) -> 
     assert early is not None and early.process.pid is not None
     rec = Recorder()
     host = EngineProcess(tiny_factory(tiny_model_dir), rec, asyncio.get_running_loop())
-    assert host.pid == early.process.pid and engine_child._early is None
-    assert EngineProcess(tiny_factory(tiny_model_dir), Recorder(), asyncio.get_running_loop()).pid is None
+    try:
+        assert host.pid == early.process.pid and engine_child._early is None
+        assert EngineProcess(tiny_factory(tiny_model_dir), Recorder(), asyncio.get_running_loop()).pid is None
+    except BaseException:
+        host.kill()  # it waits for its engine: the interpreter's exit would wait for it
+        raise
     host.start()
     await rec.until(lambda: rec.ready is not None or rec.fatal is not None, timeout=120)
     host.send(Add("short", _ids(8), SamplingParams(max_tokens=4, ignore_eos=True), fit_max_tokens=True))
@@ -145,6 +149,29 @@ async def test_the_child_started_early_runs_the_first_engine(tiny_model_dir) -> 
     host.send(Stop())
     await asyncio.get_running_loop().run_in_executor(None, host.join, 30)
     assert host._process.exitcode == 0 and rec.fatal is None and rec.lost is None
+
+
+def test_signals_sent_while_the_child_starts_are_ignored() -> None:
+    """Blocked from its exec until it ignores them: a Ctrl-C while it imports torch must not kill it. In a fresh
+    interpreter: a process's first spawn starts multiprocessing's resource tracker too, which unblocks them."""
+    script = """if True:
+        import os, signal, time
+        from service import engine_child
+        engine_child.start_early()
+        child = engine_child._early.process
+        os.kill(child.pid, signal.SIGTERM)
+        os.kill(child.pid, signal.SIGINT)
+        def ignoring():  # its main thread has set SIGTERM's handler to SIG_IGN (bit 14 of SigIgn)
+            status = open(f"/proc/{child.pid}/status").read()
+            return int(status.split("SigIgn:")[1].split()[0], 16) >> (signal.SIGTERM - 1) & 1
+        deadline = time.monotonic() + 120
+        while child.is_alive() and not ignoring() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # what was pending has been delivered, to SIG_IGN
+        print("alive" if child.is_alive() else f"ended {child.exitcode}")
+    """
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.strip() == "alive", proc.stdout + proc.stderr[-2000:]
 
 
 def test_a_server_that_fails_before_its_engine_starts_exits_at_once(tiny_model_dir) -> None:
