@@ -82,9 +82,9 @@ class FaultyProcessEngine:
         if self.marker.exists():
             return eng
         self.marker.touch()
-        when = all_streaming(self.n)
+        when = streaming = all_streaming(self.n)
         if self.how == "kill":
-            when = lambda e: all_streaming(self.n)(e) and os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+            when = lambda e: streaming(e) and os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
         return Fault(hold_until=self.n, when=when, hang=self.how == "hang").wrap(eng)
 
 
