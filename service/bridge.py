@@ -1,8 +1,9 @@
 """The event loop's side of the engine thread (service/engine_thread.py): requests in, outputs to their handles.
 
 Prompts are templated and tokenized on a tokenizer thread of their own: the engine thread only sees ids.
-Each engine step's outputs cross to the loop in ONE call; undelivered output accumulates (merged) in its
-`RequestHandle`, so a slow reader costs at most its own completion, and never blocks the engine.
+Each engine step's outputs cross to the loop in ONE call, with those of any steps before it the loop has not taken
+yet (`on_steps`); undelivered output accumulates (merged) in its `RequestHandle`, so a slow reader costs at most its
+own completion, and never blocks the engine.
 
 The loop keeps each request's checkpoint (what its caller has been given). When the engine fails, or a step
 runs past `step_timeout`, a new engine process (which loads the model again), or a new engine thread over the
@@ -251,41 +252,49 @@ class EngineBridge:
         self._engine = host
         host.start()
 
-    def on_step(self, result: StepResult) -> None:
+    def on_steps(self, results: list[StepResult]) -> None:
+        """The steps since the loop's last turn, in order: every output pushed to its handle, then each handle with
+        new output notified once, so its consumer sends the steps' output together (one write per socket)."""
         now = time.monotonic()
-        self.stats = result.stats  # NOTE: before any consumer wakes, so they read post-step stats
-        self._rate.add(now, int(result.stats.get("generation_tokens", 0)))
-        gaps: list[float] = []  # inter-token latencies, observed together
-        for d in result.deliveries:
-            handle = self._handles.get(d.request_id)
-            if handle is None:
-                continue
-            if (sent := self._sent.get(d.request_id)) is not None:
-                sent.checkpoint.advance(d.token_ids, d.text, d.rng_state)
-            if not handle.started:
-                self._start(handle, d.num_prompt_tokens, d.num_cached_tokens, result.step_start)
-            if d.num_new_tokens:
-                if handle.first_token_at is None:
-                    handle.first_token_at = now
-                    if self._metrics:
-                        self._metrics.observe_first_token(handle.queue_s, now - handle.arrival)
+        notify: dict[str, RequestHandle] = {}  # running requests with new output, by id
+        gaps: list[float] = []  # inter-token latencies (one per request with tokens in this turn), observed together
+        for result in results:
+            self.stats = result.stats  # NOTE: before any consumer wakes, so they read post-step stats
+            self._rate.add(now, int(result.stats.get("generation_tokens", 0)))
+            for d in result.deliveries:
+                handle = self._handles.get(d.request_id)
+                if handle is None:
+                    continue
+                if (sent := self._sent.get(d.request_id)) is not None:
+                    sent.checkpoint.advance(d.token_ids, d.text, d.rng_state)
+                if not handle.started:
+                    self._start(handle, d.num_prompt_tokens, d.num_cached_tokens, result.step_start)
+                if d.num_new_tokens:
+                    if handle.first_token_at is None:
+                        handle.first_token_at = now
+                        if self._metrics:
+                            self._metrics.observe_first_token(handle.queue_s, now - handle.arrival)
+                    elif handle.last_token_at != now:  # (several of this turn's steps arrive together)
+                        gaps.append(now - handle.last_token_at)
+                    handle.last_token_at = now
+                handle.push(d.text, d.num_new_tokens, d.logprobs)
+                if d.finish_reason is not None:
+                    notify.pop(d.request_id, None)
+                    self._finish(handle, d.finish_reason, None)
                 else:
-                    gaps.append(now - handle.last_token_at)
-                handle.last_token_at = now
-            handle.push(d.text, d.num_new_tokens, d.logprobs)
-            if d.finish_reason is not None:
-                self._finish(handle, d.finish_reason, None)
-            else:
-                handle.notify()
+                    notify[d.request_id] = handle
+            for f in result.failures:
+                handle = self._handles.get(f.request_id)
+                if handle is not None:
+                    # a client's mistake is routine; a failure of ours is worth a warning
+                    log.log(logging.WARNING if f.code == "internal" else logging.INFO, "request %s failed: %s: %s",
+                            f.request_id, f.code, f.message)
+                    notify.pop(f.request_id, None)
+                    self._finish(handle, None, RequestError(f.code, f.message, f.param))
         if gaps and self._metrics:
             self._metrics.observe_inter_tokens(gaps)
-        for f in result.failures:
-            handle = self._handles.get(f.request_id)
-            if handle is not None:
-                # a client's mistake is routine; a failure of ours is worth a warning
-                log.log(logging.WARNING if f.code == "internal" else logging.INFO, "request %s failed: %s: %s",
-                        f.request_id, f.code, f.message)
-                self._finish(handle, None, RequestError(f.code, f.message, f.param))
+        for handle in notify.values():
+            handle.notify()
 
     def _start(self, handle: RequestHandle, prompt_tokens: int, cached_tokens: int, at: float) -> None:
         handle.start(prompt_tokens, cached_tokens, at)

@@ -6,6 +6,10 @@ default) or on a thread of the server's (`EngineThread`, here). The event loop s
 `ready` once, then one `step` per engine step that produced anything; `fatal` once if the engine cannot be built,
 `lost` once if it fails while serving. The engine is the one registry of what runs here. A host the loop has
 `abandon`ed (it replaced it) reaches the loop no more, even with calls scheduled before.
+
+Steps the loop has not taken yet are merged: the host keeps them, in order, until the loop's next turn, and
+`on_steps` takes them all at once. A loop slower than the engine (its fan-out to N sockets outlasting a short step)
+then writes once per socket per turn, not once per step: it catches up instead of falling further behind.
 """
 from __future__ import annotations
 
@@ -107,7 +111,8 @@ class Listener(Protocol):
     """The loop side. Its methods run on the event loop, never on the engine thread."""
 
     def on_ready(self, ready: EngineReady) -> None: ...
-    def on_step(self, result: StepResult) -> None: ...
+    def on_steps(self, results: list[StepResult]) -> None:
+        """Every step's result since the last call, in order (at least one)."""
     def on_fatal(self, message: str) -> None: ...
     def on_lost(self, message: str, kv_intact: bool) -> None: ...
 
@@ -261,6 +266,8 @@ class EngineHost:
         self._progress = progress
         self.replacement = replacement
         self.abandoned = False  # set on the loop
+        self._steps: list[StepResult] = []  # posted, not yet taken by the loop; non-empty: a `_deliver_steps` is due
+        self._steps_lock = threading.Lock()
 
     @property
     def busy_since(self) -> float | None:
@@ -273,9 +280,18 @@ class EngineHost:
         return int(self._progress[1])
 
     def _schedule(self, name: str, *args: Any) -> None:
-        """Off the loop: the listener's `name(*args)`, on the loop. A closed loop means the server is gone."""
+        """Off the loop: the listener's `name(*args)`, on the loop; an `on_step(result)` joins the steps the loop has
+        not taken yet (module docstring). Calls reach the loop in the order made. A closed loop means the server is
+        gone."""
         try:
-            self._loop.call_soon_threadsafe(self._deliver, name, args)
+            if name != "on_step":
+                self._loop.call_soon_threadsafe(self._deliver, name, args)
+                return
+            with self._steps_lock:
+                self._steps.append(args[0])
+                if len(self._steps) > 1:
+                    return  # the call that takes the first takes this one too
+            self._loop.call_soon_threadsafe(self._deliver_steps)
         except RuntimeError:
             raise SystemExit from None
 
@@ -283,6 +299,13 @@ class EngineHost:
         """On the loop."""
         if not self.abandoned:
             getattr(self._listener, name)(*args)
+
+    def _deliver_steps(self) -> None:
+        """On the loop: every step posted since the last call, in one."""
+        with self._steps_lock:
+            results, self._steps = self._steps, []
+        if not self.abandoned:
+            self._listener.on_steps(results)
 
 
 class EngineThread(EngineHost):

@@ -96,8 +96,8 @@ class Metrics:
         r = self.registry
         self.ttft = Histogram("sluice_time_to_first_token_seconds", "Arrival to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = StepHistogram("sluice_inter_token_latency_seconds", "Time between two steps' tokens of a request "
-                                 "(a speculative step may bring several).", _ITL_BUCKETS, r)
+        self.itl = StepHistogram("sluice_inter_token_latency_seconds", "Time between two deliveries of a request's "
+                                 "tokens (a speculative step, or steps the event loop took together, may bring several).", _ITL_BUCKETS, r)
         self.e2e = Histogram("sluice_e2e_request_latency_seconds", "Arrival to the last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("sluice_queue_time_seconds", "Arrival to the first step that ran the request.",
@@ -117,7 +117,7 @@ class Metrics:
         self.ttft.observe(ttft_s)
 
     def observe_inter_tokens(self, seconds: list[float]) -> None:
-        """One step's gaps, one per request that had a token in it and one before."""
+        """One loop turn's gaps, one per request that had a token in it and one before."""
         self.itl.observe_many(seconds)
 
     def observe_finish(self, handle: Any, finish_reason: str) -> None:

@@ -95,3 +95,26 @@ async def test_checks_that_need_the_token_count(bridge: EngineBridge) -> None:
     assert strict.error is not None and strict.error.code == "prompt_too_long" and "at most 156" in strict.error.message
     capped = await _finish(bridge, req(list(range(3, 3 + MAX_LEN - 2)), max_tokens=50))
     assert capped.error is None and capped.completion_tokens <= 2
+
+
+async def test_steps_taken_together_notify_each_consumer_once(bridge: EngineBridge) -> None:
+    """A loop behind the engine (its fan-out slower than a step) takes the steps it missed in one turn: each
+    request's output of all of them reaches its consumer merged, woken once (one write per socket)."""
+    from tests.service.test_engine_thread import hold_the_loop
+
+    woken = {"a": 0, "b": 0}
+    params = SamplingParams(max_tokens=MAX_LEN - 32, ignore_eos=True, temperature=0.0)  # hundreds of steps
+    handles = {k: bridge.submit(GenerateRequest(prompt=f"{k} once", chat=False, params=params),
+                                lambda k=k: woken.__setitem__(k, woken[k] + 1)) for k in woken}
+    while not all(h.completion_tokens for h in handles.values()):
+        await asyncio.sleep(0.01)
+    for h in handles.values():
+        h.take()
+    before = dict(woken)
+    assert bridge._engine is not None
+    hold_the_loop(bridge._engine, 4)  # at least 3 steps posted meanwhile, none taken
+    await asyncio.sleep(0)  # the turn that takes them
+    taken = {k: h.take()[1] for k, h in handles.items()}
+    assert woken == {k: n + 1 for k, n in before.items()} and min(taken.values()) >= 3, (woken, before, taken)
+    for h in handles.values():
+        bridge.abort(h)

@@ -3,6 +3,7 @@ real tiny engine. The listener records what reaches the loop; faults come from s
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -19,6 +20,7 @@ class Recorder:
     def __init__(self) -> None:
         self.ready: EngineReady | None = None
         self.steps: list[StepResult] = []
+        self.calls = 0  # of on_steps
         self.fatal: str | None = None
         self.lost: str | None = None
         self.changed = asyncio.Event()
@@ -27,8 +29,10 @@ class Recorder:
         self.ready = ready
         self.changed.set()
 
-    def on_step(self, result: StepResult) -> None:
-        self.steps.append(result)
+    def on_steps(self, results: list[StepResult]) -> None:
+        assert results
+        self.steps += results
+        self.calls += 1
         self.changed.set()
 
     def on_fatal(self, message: str) -> None:
@@ -89,6 +93,30 @@ async def test_add_runs_to_the_end_and_abort_stops_a_running_request(started) ->
     assert rec.finished()["long"] == "abort" and not rec.failures()
     await rec.until(lambda: rec.steps[-1].stats["num_running"] == 0)
     assert not eng.requests  # the engine is the one registry: nothing is left behind
+
+
+def hold_the_loop(host, steps: int) -> None:
+    """Keeps the loop from its next turn (no await) until the engine has completed `steps` more steps."""
+    until = host.steps_done + steps
+    while host.steps_done < until:
+        time.sleep(0.002)  # the engine thread runs meanwhile
+
+
+async def test_steps_the_loop_has_not_taken_reach_it_in_one_call_in_order(started) -> None:
+    thread, rec, eng = started
+    thread.send(Add("long", _ids(8), LONG, fit_max_tokens=True))
+    await rec.until(lambda: rec.steps)
+    calls, taken = rec.calls, len(rec.steps)
+    hold_the_loop(thread, 4)  # each posted step waits for the loop meanwhile: at least 3 of them
+    await asyncio.sleep(0)  # one turn: the call that takes them all runs before this task resumes
+    assert rec.calls == calls + 1 and len(rec.steps) - taken >= 3
+    starts = [s.step_start for s in rec.steps]
+    assert starts == sorted(starts)
+    await rec.until(lambda: "long" in rec.finished())
+    ids = [t for s in rec.steps for d in s.deliveries for t in d.token_ids]
+    thread.send(Stop())
+    await asyncio.get_running_loop().run_in_executor(None, thread.join, 10)
+    assert ids == eng.generate([_ids(8)], LONG)[0].token_ids  # every token, once, in order
 
 
 async def test_the_engine_decides_admission(started) -> None:

@@ -64,7 +64,7 @@ def _chat(conn: Connection, chat_id: str) -> RequestHandle:
 
 
 def _step(handle: RequestHandle, text: str) -> None:
-    """What `EngineBridge.on_step` does with one delivery."""
+    """What `EngineBridge.on_steps` does with one step's delivery."""
     handle.push(text, 1, None)
     handle.notify()
 
