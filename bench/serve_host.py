@@ -4,7 +4,8 @@ event-loop lag probe running on the server's own loop.
 The probe sleeps 5 ms over and over and records how late each wake-up is: the time any callback
 (a socket write, a step's fan-out, GIL waits on the engine thread) held the loop. Samples are
 appended to LAG_FILE as float64 pairs (time.monotonic(), lag seconds), flushed every ~250 ms.
-Nothing in service/ changes: the probe wraps `Service.lifespan` before the app is built.
+Nothing in service/ changes: the probe wraps `Service.lifespan` before the app is built. It starts as `sluice serve`
+does (`service.__main__.prepare`): the engine's child is spawned before the server's imports.
 """
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ async def probe(out: BinaryIO) -> None:
 def main(argv: list[str]) -> int:
     lag_file, flags = open(argv[0], "ab", buffering=0), argv[1:]  # noqa: SIM115 — lives as long as the process
     from service import __main__ as cli
+
+    config = cli.prepare(flags)  # the engine's child starts before the server's imports, as under `sluice serve`
     from service.app import Service
+    from service.server import serve
 
     inner = Service.lifespan
 
@@ -51,7 +55,7 @@ def main(argv: list[str]) -> int:
             task.cancel()
 
     Service.lifespan = lifespan
-    return cli.main(flags)
+    return serve(config)
 
 
 if __name__ == "__main__":

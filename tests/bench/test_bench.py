@@ -165,3 +165,29 @@ def test_spec_reports_each_method_against_plain_decoding(tiny_model_dir, tmp_pat
     # quoting a pasted paragraph: drafts are found and kept (how many are tried is the cost gate's call, and which
     # chats quote in 24 tokens depends on the dtype: any copy row will do)
     assert max(rows[f"copy, {b}, ngram"]["acceptance"] or 0 for b in ("batch 1", "batch 64", "batch 64 (forced)")) > 0
+
+
+def test_serve_host_starts_the_engine_child_before_the_server_imports(tiny_model_dir, tmp_path) -> None:
+    """The bench's server (`bench.serve_host`, the lag probe's host) starts as `sluice serve` does: its engine's child
+    is spawned before the server imports torch (a refused configuration then ends it at once)."""
+    script = f"""if True:
+        import sys
+        from service import engine_child
+        started_after_torch = []
+        start = engine_child.EngineChild.start
+
+        def noting(self):
+            started_after_torch.append("torch" in sys.modules)
+            start(self)
+
+        engine_child.EngineChild.start = noting
+        from bench import serve_host
+        try:
+            code = serve_host.main([{str(tmp_path / "lag")!r}, "--model", {str(tiny_model_dir)!r},
+                             "--tensor-parallel-size", "2", "--kv-offload-gb", "1"])  # argparse takes them, not the engine
+        finally:
+            print(started_after_torch)
+        sys.exit(code)
+    """
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout.strip() == "[False]", proc.stdout + proc.stderr[-2000:]
