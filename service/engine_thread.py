@@ -3,12 +3,12 @@
 `EngineWorker` is what runs on it, wherever that is: in a process of its own (service/engine_process.py, the
 default) or on a thread of the server's (`EngineThread`, here). The event loop sends it typed commands (`Add`,
 `Abort`, `Stop`); it answers through a `Listener` whose methods its host (an `EngineHost`) schedules on the loop:
-`ready` once, then one `step` per engine step that produced anything; `fatal` once if the engine cannot be built,
-`lost` once if it fails while serving. The engine is the one registry of what runs here. A host the loop has
-`abandon`ed (it replaced it) reaches the loop no more, even with calls scheduled before.
+`ready` once, then `steps` with the result of every engine step that produced anything; `fatal` once if the engine
+cannot be built, `lost` once if it fails while serving. The engine is the one registry of what runs here. A host the
+loop has `abandon`ed (it replaced it) reaches the loop no more, even with calls scheduled before.
 
-Steps the loop has not taken yet are merged: the host keeps them, in order, until the loop's next turn, and
-`on_steps` takes them all at once. A loop slower than the engine (its fan-out to N sockets outlasting a short step)
+The worker posts one `on_step` per step; steps the loop has not taken yet are merged: the host keeps them, in order,
+until the loop's next turn, and `on_steps` takes them all at once. A loop slower than the engine (its fan-out to N sockets outlasting a short step)
 then writes once per socket per turn, not once per step: it catches up instead of falling further behind.
 """
 from __future__ import annotations
