@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine.models import ModelConfig
+from engine.models import ARCHITECTURES, ModelConfig
 
 
 def check_readable(model_dir: str | Path) -> None:
@@ -114,6 +114,20 @@ def auto_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer
+
+
+def preload_tokenizers() -> None:
+    """Imports what `load_tokenizer` waits for besides the model's files: `AutoTokenizer`, and the config classes of
+    the architectures the engine runs (AutoTokenizer reads the model's config; the first config class imported
+    brings ~1.5 s of transformers' modules on a small CPU). For a process that will load a model later."""
+    from transformers import CONFIG_MAPPING
+
+    auto_tokenizer()
+    for arch in ARCHITECTURES:
+        try:
+            CONFIG_MAPPING[arch.removesuffix("ForCausalLM").lower()]  # the lookup imports the class
+        except KeyError:  # not in this transformers: the load says so, if such a model comes
+            pass
 
 
 def load_tokenizer(model_dir: str | Path):

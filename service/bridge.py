@@ -89,7 +89,11 @@ class EngineBridge:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._engine = self._host(self._factory, self, asyncio.get_running_loop(), self._pinned)
+        loop = asyncio.get_running_loop()
+        if self._host is EngineProcess:
+            self._engine = EngineProcess(self._factory, self, loop, self._pinned, spare=self._rebuildable)
+        else:
+            self._engine = EngineThread(self._factory, self, loop, self._pinned)
         self._engine.start()
         if self._step_timeout > 0:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="sluice-engine-watchdog")
@@ -230,7 +234,7 @@ class EngineBridge:
         if self._host is EngineProcess:  # its weights are gone with its process: loaded again, once that has ended
             assert isinstance(old, EngineProcess)
             host: EngineHost = EngineProcess(self._factory, self, loop, self._pinned, replacement=True, after=old,
-                                             counters=self.stats)
+                                             counters=self.stats, spare=True)
         else:
             assert isinstance(old, EngineThread)
             # NOTE: the old engine goes through a holder the rebuild empties, so nothing keeps it (its weights) alive

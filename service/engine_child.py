@@ -2,10 +2,16 @@
 two pipes and the progress it shares, and what it runs. Light on purpose (torch and the engine are imported in the
 child only): `sluice serve` starts the child before its own imports, so the child's run beside them; the first
 `EngineProcess` takes it and sends it what to build its engine from.
+
+Once an engine that would be replaced after a failure is ready, a spare child is started for the replacement: it
+does its imports (torch, the engine, transformers' tokenizers and model configs: ~6 s of a 2-core CPU, most of a
+small model's start) at the lowest priority while the engine serves, then waits. The replacement then only loads
+the model.
 """
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import multiprocessing
 import os
@@ -24,25 +30,32 @@ if TYPE_CHECKING:
 
 _SPAWN = multiprocessing.get_context("spawn")  # not fork: CUDA, and the threads the server's process runs
 SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the child's server handles these, not the child
+SPARE_NICENESS = 19  # a spare's imports run at this niceness: the engine serving meanwhile comes first
 
 
 class EngineChild:
     """A spawned process and the server's ends of its pipes: commands in (the first message is its engine: factory
     and settings), results out. `progress` is shared: [0] the monotonic start of the step now running (-1 when
-    none), [1] the steps done."""
+    none), [1] the steps done, [2] 1 once its imports are done (`imported`)."""
 
-    def __init__(self) -> None:
-        self.progress: Any = _SPAWN.RawArray("d", 2)
+    def __init__(self, spare: bool = False) -> None:
+        """`spare`: its imports run at the lowest priority (an engine is serving meanwhile)."""
+        self.progress: Any = _SPAWN.RawArray("d", 3)
         self.progress[0] = -1.0
         child_commands, self.commands = _SPAWN.Pipe(duplex=False)
         self.results, child_results = _SPAWN.Pipe(duplex=False)
         self.process = _SPAWN.Process(target=_main, name="sluice-engine", daemon=False,  # a daemon may not start
-                                      args=(child_commands, child_results, self.progress, os.getpid()))  # TP ranks
+                                      args=(child_commands, child_results, self.progress, os.getpid(), spare))  # TP
         self._child_ends: tuple[Connection, ...] = (child_commands, child_results)
 
     @property
     def started(self) -> bool:
         return not self._child_ends
+
+    @property
+    def imported(self) -> bool:
+        """Its imports are done: an engine's build now waits for the model alone."""
+        return self.progress[2] == 1.0
 
     def start(self) -> None:
         # NOTE: the child inherits this thread's signal mask through the spawn's exec: SIGINT and SIGTERM stay blocked
@@ -59,13 +72,35 @@ class EngineChild:
         self._child_ends = ()
 
 
-def _main(commands: Connection, results: Connection, progress: Any, server: int) -> None:
+def _imports(idle: bool) -> None:
+    """What every engine's build waits for but its model: torch, the engine, transformers' tokenizers. `idle`: on a
+    thread at the lowest priority (Linux sets niceness per thread; the threads the engine starts later are the main
+    thread's, at its priority)."""
+    if idle:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SPARE_NICENESS)
+        except (AttributeError, OSError):  # not Linux, or not permitted: the same priority
+            pass
+    importlib.import_module("service.engine_thread")  # torch and the engine
+    from engine.loader import preload_tokenizers
+
+    preload_tokenizers()
+
+
+def _main(commands: Connection, results: Connection, progress: Any, server: int, spare: bool) -> None:
     """The child's main thread: its imports, then the engine its first command describes, until a `Stop` (or its
     server's end)."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-    from engine.parallel import watch_parent  # torch and the engine: beside the server's own imports, if early
+    if spare:
+        importer = threading.Thread(target=_imports, args=(True,), name="sluice-spare-imports")
+        importer.start()
+        importer.join()
+    else:  # beside the server's own imports, if early
+        _imports(False)
+    progress[2] = 1.0
+    from engine.parallel import watch_parent
     from service.engine_thread import EngineWorker, Stop
 
     threading.Thread(target=watch_parent, args=(server,), name="sluice-server-watch", daemon=True).start()
@@ -103,7 +138,9 @@ def _main(commands: Connection, results: Connection, progress: Any, server: int)
     os._exit(0)
 
 
-_early: EngineChild | None = None
+_early: EngineChild | None = None  # started by `sluice serve` before its imports, for its first engine
+_spare: EngineChild | None = None  # started once an engine is ready, for its replacement
+_lock = threading.Lock()  # `_spare`: started on a reader thread, taken on the loop
 
 
 def start_early() -> None:
@@ -111,17 +148,49 @@ def start_early() -> None:
     `EngineProcess` takes it. If none does (the server failed to start), it is killed at exit; it held nothing yet."""
     global _early
     _early = EngineChild()
-    atexit.register(_kill_unused)  # first: a Ctrl-C during the start must not leave it behind
+    _kill_at_exit()  # first: a Ctrl-C during the start must not leave it behind
     _early.start()
 
 
+def start_spare() -> None:
+    """A spare child for the next `EngineProcess` (module docstring), unless one is waiting already; killed at exit if
+    none takes it. Off the loop: a spawn takes milliseconds."""
+    global _spare
+    with _lock:
+        if _spare is not None and _spare.process.is_alive():
+            return
+        _spare = EngineChild(spare=True)
+        _kill_at_exit()
+        _spare.start()
+
+
 def take() -> EngineChild:
-    """The child started early, once; else a new one, not started."""
-    global _early
-    child, _early = _early or EngineChild(), None
-    return child
+    """The child started early, once; else the spare, if it is still alive (one the OOM killer took while it waited
+    must not fail a replacement); else a new one, not started."""
+    global _early, _spare
+    with _lock:
+        child, _early = _early, None
+        if child is None:
+            child, _spare = _spare, None
+            if child is not None and not child.process.is_alive():
+                child.process.join()
+                child = None
+    return child or EngineChild()
+
+
+_registered = False
+
+
+def _kill_at_exit() -> None:
+    """A child no `EngineProcess` took is killed at exit (multiprocessing would wait for it, and it for its engine)."""
+    global _registered
+    if not _registered:
+        atexit.register(_kill_unused)
+        _registered = True
 
 
 def _kill_unused() -> None:
-    if _early is not None and _early.process.pid is not None:
-        _early.process.kill()
+    for child in (_early, _spare):
+        if child is not None and child.process.pid is not None and child.process.is_alive():
+            child.process.kill()
+            child.process.join()

@@ -12,8 +12,9 @@ its engine from, receives results and schedules each on the loop.
 
 A child that dies without a word (a crash in native code, the OOM killer, `kill -9`) is reported as lost, like an
 engine that raised, or as fatal before it was ready, like an engine that cannot be built; one that hangs is killed
-by the watchdog. Its requests resume in a new process, which loads the model again (weights and the prefix cache
-do not cross processes; its counters go on from the last stats the loop saw). That process starts once the one it
+by the watchdog. Its requests resume in a new process: the spare child started once the failed one was ready, its
+imports done meanwhile (service/engine_child.py), which loads the model again (weights and the prefix cache do not
+cross processes; its counters go on from the last stats the loop saw). That process starts once the one it
 replaces has ended, so the device memory it sizes its KV pool from is free. The child ignores SIGINT and SIGTERM
 (a terminal's Ctrl-C, or a service manager's SIGTERM, reach the whole process group: the server decides when its
 engine stops) and ends by itself within a second of its server's death.
@@ -42,12 +43,15 @@ PREDECESSOR_WAIT_S = 30.0  # how long a replacement waits for the process it rep
 class EngineProcess(EngineHost):
     """`factory` and everything sent must pickle (`partial(LLMEngine, config)` does; a closure does not). `after`:
     the host this one replaces (it starts once that one's process has ended); `counters`: the last stats of the
-    engine it replaces (its counters go on from them)."""
+    engine it replaces (its counters go on from them); `spare`: once ready, start a spare child for its replacement
+    (service/engine_child.py)."""
 
     def __init__(self, factory: Callable[[], LLMEngine], listener: Listener, loop: asyncio.AbstractEventLoop,
                  pinned_system_prompts: Sequence[str] = (), *, replacement: bool = False,
-                 after: EngineProcess | None = None, counters: Mapping[str, Any] | None = None) -> None:
-        self._child = engine_child.take()  # started already where `sluice serve` started it early
+                 after: EngineProcess | None = None, counters: Mapping[str, Any] | None = None,
+                 spare: bool = False) -> None:
+        self._child = engine_child.take()  # started already where `sluice serve` started it early, or a spare
+        self._spare = spare
         super().__init__(listener, loop, self._child.progress, replacement=replacement)
         self._process = self._child.process
         self._commands, self._results = self._child.commands, self._child.results
@@ -143,9 +147,12 @@ class EngineProcess(EngineHost):
                 except (EOFError, OSError):
                     break
                 name, args = pickle.loads(data)
-                ready = ready or name == "on_ready"
                 last_words = name in _LAST_WORDS
                 self._schedule(name, *args)
+                if name == "on_ready":
+                    ready = True
+                    if self._spare:
+                        engine_child.start_spare()
         except SystemExit:  # the loop is closed: the server is gone (and the child, watching it, goes too)
             return
         except Exception as e:  # e.g. a child that could not start, or a message that would not unpickle

@@ -119,7 +119,7 @@ async def test_a_replacement_starts_once_the_process_it_replaces_has_ended(start
                         counters=stats)
     new.start()
     await asyncio.sleep(1.0)
-    assert new.pid is None and old._process.is_alive()  # not started while the old one runs
+    assert not new._writer.is_alive() and old._process.is_alive()  # its engine not sent while the old one runs
     old.send(Stop())
     await rec.until(lambda: rec.ready is not None, timeout=120)
     assert not old._process.is_alive()
@@ -127,6 +127,39 @@ async def test_a_replacement_starts_once_the_process_it_replaces_has_ended(start
     assert (rec.ready.stats["num_steps"], rec.ready.stats["generation_tokens"]) == (1000, 5000)
     new.send(Stop())
     await asyncio.get_running_loop().run_in_executor(None, new.join, 10)
+
+
+async def test_the_replacement_runs_in_the_spare_started_once_its_predecessor_was_ready(tiny_model_dir) -> None:
+    """The spare did its imports while the engine served: the replacement loads the model only. A spare that died
+    while it waited is not built on: the next host spawns a child of its own."""
+    rec = Recorder()
+    old = EngineProcess(tiny_factory(tiny_model_dir), rec, asyncio.get_running_loop(), spare=True)
+    old.start()
+    await rec.until(lambda: rec.ready is not None, timeout=120)
+    deadline = time.monotonic() + 60
+    while (spare := engine_child._spare) is None:  # started by the reader right after the ready message
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    assert spare.started and spare.process.pid != old.pid
+    os.kill(old.pid, signal.SIGKILL)
+    await rec.until(lambda: rec.lost is not None)
+    new_rec = Recorder()
+    new = EngineProcess(tiny_factory(tiny_model_dir), new_rec, asyncio.get_running_loop(), replacement=True, after=old)
+    assert engine_child._spare is None and new.pid == spare.process.pid  # taken
+    new.start()
+    await new_rec.until(lambda: new_rec.ready is not None, timeout=120)
+    new.send(Add("short", _ids(8), SamplingParams(max_tokens=4, ignore_eos=True), fit_max_tokens=True))
+    await new_rec.until(lambda: "short" in new_rec.finished())
+    new.send(Stop())
+    await asyncio.get_running_loop().run_in_executor(None, new.join, 10)
+
+    engine_child.start_spare()
+    dead = engine_child._spare
+    assert dead is not None
+    dead.process.kill()
+    await asyncio.get_running_loop().run_in_executor(None, dead.process.join, 10)
+    fresh = engine_child.take()
+    assert fresh is not dead and not fresh.started and engine_child._spare is None
 
 
 async def test_the_child_started_early_runs_the_first_engine(tiny_model_dir) -> None:
@@ -184,14 +217,15 @@ def test_a_server_that_fails_before_its_engine_starts_exits_at_once(tiny_model_d
 
 
 def test_the_engine_process_of_a_killed_server_ends_by_itself(tmp_path) -> None:
-    """`kill -9` of `sluice serve`: nothing of it is left holding the model (or a device). (Idle, the child sees its
-    command pipe end; busy, its thread watching the parent ends it.)"""
+    """`kill -9` of `sluice serve`: nothing of it is left holding the model (or a device), its spare neither. (Idle, a
+    child sees its command pipe end; busy, its thread watching the parent ends it.)"""
     server = start_server(tmp_path)
     try:
-        children = [pid for task in Path(f"/proc/{server.proc.pid}/task").iterdir()
-                    for pid in (task / "children").read_text().split()]
-        engines = [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(engines) == 1, children
+        deadline = time.monotonic() + 60
+        while len(engines := _engine_children(server.proc.pid)) < 2:  # the engine, and the spare started once ready
+            assert time.monotonic() < deadline, f"no spare engine process: {engines}"
+            time.sleep(0.05)
+        assert len(engines) == 2, engines
         server.proc.kill()
         server.proc.wait(10)
         deadline = time.monotonic() + 30
@@ -200,6 +234,11 @@ def test_the_engine_process_of_a_killed_server_ends_by_itself(tmp_path) -> None:
             time.sleep(0.1)
     finally:
         server.stop()
+
+
+def _engine_children(pid: int) -> list[int]:
+    children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def _state(pid: int) -> str:

@@ -19,6 +19,7 @@ from websockets.asyncio.client import connect
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from service import bridge as bridge_module
+from service import engine_child
 from service.app import build_app
 from service.bridge import EngineBridge
 from service.config import ServerConfig
@@ -86,6 +87,14 @@ class FaultyProcessEngine:
         if self.how == "kill":
             when = lambda e: streaming(e) and os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
         return Fault(hold_until=self.n, when=when, hang=self.how == "hang").wrap(eng)
+
+
+async def spare_child() -> engine_child.EngineChild:
+    deadline = time.monotonic() + 60
+    while engine_child._spare is None:
+        assert time.monotonic() < deadline, "no spare engine process"
+        await asyncio.sleep(0.01)
+    return engine_child._spare
 
 
 async def started_bridge(factory, step_timeout: float = 0.0, engine_process: bool = False) -> EngineBridge:
@@ -185,8 +194,10 @@ async def test_an_engine_process_that_dies_or_hangs_is_replaced_and_every_stream
     b = await started_bridge(factory, step_timeout=3.0 if how == "hang" else 0.0, engine_process=True)
     first = b._engine
     try:
+        spare = await spare_child()  # started once the first engine was ready (its steps wait for all 9 requests)
         got = await run_all(b, requests(9))
         assert b.num_restarts == 1 and b.fatal is None and b._engine is not first
+        assert b._engine.pid == spare.process.pid  # its imports ran while the first engine served
         assert got == expected
         # every token counted once at least: the new engine's counters go on from the old one's (it made >= 18)
         assert b.stats["generation_tokens"] >= 9 * N_TOKENS
