@@ -92,13 +92,13 @@ def test_paired_ratio_is_the_median_of_same_round_ratios() -> None:
 
 
 def test_replay_resumes_every_chat_whole(tiny_model_dir, tmp_path) -> None:
-    """The quick replay run: each replay row rebuilt the engine once, every chat got every token once, and the
-    float32 texts equal the unfaulted run's (the bench's own targets)."""
+    """The quick replay run: each replay row rebuilt the engine once (the engine process's in a new process), every
+    chat got every token once, and the float32 texts equal the unfaulted run's (the bench's own targets)."""
     data = json.loads((quick(["replay"], tiny_model_dir, tmp_path) / "replay.json").read_text())
     rows = {r["system"]: r for r in data["rows"]}
-    assert set(rows) == {"start-over", "replay", "replay-no-prefix-cache", "replay-float32"}
+    assert set(rows) == {"start-over", "replay", "replay-no-prefix-cache", "replay-float32", "replay-engine-process"}
     assert all(r["whole"] for r in rows.values()) and rows["start-over"]["restarts"] == 0
-    for name in ("replay", "replay-no-prefix-cache", "replay-float32"):
+    for name in ("replay", "replay-no-prefix-cache", "replay-float32", "replay-engine-process"):
         r = rows[name]
         assert r["restarts"] == 1 and 0 < r["first_resumed_ms"] <= r["resumed_p50_ms"] <= r["resumed_max_ms"], r
         assert r["prompt_tokens_recomputed"] > 0 and r["rebuild_ms"] > 0
