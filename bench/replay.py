@@ -130,8 +130,9 @@ async def _serve(factory, prompts: list[list[int]], output: int, engine_process:
     on_ready = b.on_ready
     b.on_ready = lambda ready: (readies.append(time.monotonic()), on_ready(ready))  # type: ignore[method-assign]
     b.start()
+    deadline = time.monotonic() + 600
     while not b.ready or (engine_process and not (engine_child._spare and engine_child._spare.imported)):
-        assert b.fatal is None, b.fatal
+        assert b.fatal is None and time.monotonic() < deadline, b.fatal or "no engine, or no spare with its imports"
         await asyncio.sleep(0.01)
     changed = asyncio.Event()
     times: list[list[float]] = [[] for _ in prompts]

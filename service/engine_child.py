@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from service.engine_thread import Command
 
 _SPAWN = multiprocessing.get_context("spawn")  # not fork: CUDA, and the threads the server's process runs
+log = logging.getLogger("sluice.engine_child")
 SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the child's server handles these, not the child
 SPARE_NICENESS = 19  # a spare's imports run at this niceness: the engine serving meanwhile comes first
 
@@ -87,6 +88,37 @@ def _imports(idle: bool) -> None:
     preload_tokenizers()
 
 
+def _import_as_spare(commands: Connection, server: int) -> None:
+    """A spare's imports, on a thread at `SPARE_NICENESS`, while its main thread watches: the spare ends with its
+    server, and a build that arrives before they are done (its engine died within seconds of its start) lifts their
+    priority back where the process may (root, or a `RLIMIT_NICE` that allows it; else they finish at theirs)."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _imports(True)
+        except BaseException as e:
+            failed.append(e)
+
+    importer = threading.Thread(target=run, name="sluice-spare-imports")
+    importer.start()
+    taken = False
+    while importer.is_alive():
+        if os.getppid() != server:
+            os._exit(0)
+        if taken:
+            importer.join(0.1)
+        elif commands.poll(0.1):  # its build (or its server's end, which the check above sees next)
+            taken = True
+            try:
+                os.setpriority(os.PRIO_PROCESS, importer.native_id or 0, 0)
+            except OSError:
+                pass
+    if failed:  # not to be built on: it ends, and `take` passes over a dead spare
+        log.error("a spare engine process failed to import: %s: %s", type(failed[0]).__name__, failed[0])
+        os._exit(1)
+
+
 def _main(commands: Connection, results: Connection, progress: Any, server: int, spare: bool) -> None:
     """The child's main thread: its imports, then the engine its first command describes, until a `Stop` (or its
     server's end)."""
@@ -94,9 +126,7 @@ def _main(commands: Connection, results: Connection, progress: Any, server: int,
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     if spare:
-        importer = threading.Thread(target=_imports, args=(True,), name="sluice-spare-imports")
-        importer.start()
-        importer.join()
+        _import_as_spare(commands, server)
     else:  # beside the server's own imports, if early
         _imports(False)
     progress[2] = 1.0
@@ -154,14 +184,21 @@ def start_early() -> None:
 
 def start_spare() -> None:
     """A spare child for the next `EngineProcess` (module docstring), unless one is waiting already; killed at exit if
-    none takes it. Off the loop: a spawn takes milliseconds."""
+    none takes it. Off the loop: a spawn takes milliseconds. One that cannot start (no file descriptors or processes
+    left) is logged and left out: the replacement spawns its own, as without a spare."""
     global _spare
     with _lock:
         if _spare is not None and _spare.process.is_alive():
             return
-        _spare = EngineChild(spare=True)
         _kill_at_exit()
-        _spare.start()
+        try:
+            child = EngineChild(spare=True)  # (its pipes need file descriptors too)
+            child.start()
+        except Exception as e:
+            log.warning("a spare engine process could not start (a replacement will spawn its own): %s: %s",
+                        type(e).__name__, e)
+            return
+        _spare = child
 
 
 def take() -> EngineChild:
@@ -190,7 +227,9 @@ def _kill_at_exit() -> None:
 
 
 def _kill_unused() -> None:
-    for child in (_early, _spare):
+    with _lock:  # (a reader thread may be starting a spare)
+        children = (_early, _spare)
+    for child in children:
         if child is not None and child.process.pid is not None and child.process.is_alive():
             child.process.kill()
             child.process.join()

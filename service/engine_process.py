@@ -14,8 +14,8 @@ A child that dies without a word (a crash in native code, the OOM killer, `kill 
 engine that raised, or as fatal before it was ready, like an engine that cannot be built; one that hangs is killed
 by the watchdog. Its requests resume in a new process: the spare child started once the failed one was ready, its
 imports done meanwhile (service/engine_child.py), which loads the model again (weights and the prefix cache do not
-cross processes; its counters go on from the last stats the loop saw). That process starts once the one it
-replaces has ended, so the device memory it sizes its KV pool from is free. The child ignores SIGINT and SIGTERM
+cross processes; its counters go on from the last stats the loop saw). That process gets its engine once the one
+it replaces has ended, so the device memory it sizes its KV pool from is free. The child ignores SIGINT and SIGTERM
 (a terminal's Ctrl-C, or a service manager's SIGTERM, reach the whole process group: the server decides when its
 engine stops) and ends by itself within a second of its server's death.
 """
@@ -42,7 +42,7 @@ PREDECESSOR_WAIT_S = 30.0  # how long a replacement waits for the process it rep
 
 class EngineProcess(EngineHost):
     """`factory` and everything sent must pickle (`partial(LLMEngine, config)` does; a closure does not). `after`:
-    the host this one replaces (it starts once that one's process has ended); `counters`: the last stats of the
+    the host this one replaces (its engine is sent once that one's process has ended); `counters`: the last stats of the
     engine it replaces (its counters go on from them); `spare`: once ready, start a spare child for its replacement
     (service/engine_child.py)."""
 
@@ -70,7 +70,8 @@ class EngineProcess(EngineHost):
         return self._process.pid
 
     def start(self) -> None:
-        self._reader.start()  # it starts the child (once the one this replaces has ended), then reads
+        self._reader.start()  # once the one this replaces has ended, it starts the child (unless started) and
+        # sends it its engine, then reads
 
     def send(self, command: Command) -> None:
         if isinstance(command, Stop):

@@ -289,7 +289,7 @@ class EngineHost:
                 return
             with self._steps_lock:
                 self._steps.append(args[0])
-                if len(self._steps) > 1:
+                if len(self._steps) > 1 and not self._loop.is_closed():
                     return  # the call that takes the first takes this one too
             self._loop.call_soon_threadsafe(self._deliver_steps)
         except RuntimeError:

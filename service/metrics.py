@@ -65,8 +65,9 @@ class _EngineCollector(Collector):
 
 
 class StepHistogram(Collector):
-    """A Prometheus histogram observed a step at a time. A step brings one inter-token gap per streaming request,
-    mostly one value (every request that had a token in the step before has the same gap): equal values are
+    """A Prometheus histogram observed a loop turn at a time. A turn (one step, or the steps the loop took together)
+    brings one inter-token gap per streaming request, mostly one value (every request that had a token in the turn
+    before has the same gap): equal values are
     counted together, one bucket search each, instead of a `Histogram.observe` (a bucket search and two locked
     increments) per token. Observed and collected on the event loop."""
 

@@ -4,6 +4,7 @@ or its server gone; signals its process group gets are not among them."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import subprocess
@@ -25,6 +26,14 @@ from tests.service.test_engine_thread import LONG, MAX_LEN, Recorder, _ids
 def dies_while_loading() -> LLMEngine:
     os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
     raise AssertionError("unreachable")
+
+
+def no_spare() -> None:
+    """Kills a spare an earlier test left in this process (any host would take it)."""
+    spare, engine_child._spare = engine_child._spare, None
+    if spare is not None:
+        spare.process.kill()
+        spare.process.join()
 
 
 def tiny_factory(model_dir) -> partial:
@@ -132,15 +141,16 @@ async def test_a_replacement_starts_once_the_process_it_replaces_has_ended(start
 async def test_the_replacement_runs_in_the_spare_started_once_its_predecessor_was_ready(tiny_model_dir) -> None:
     """The spare did its imports while the engine served: the replacement loads the model only. A spare that died
     while it waited is not built on: the next host spawns a child of its own."""
+    no_spare()
     rec = Recorder()
     old = EngineProcess(tiny_factory(tiny_model_dir), rec, asyncio.get_running_loop(), spare=True)
     old.start()
     await rec.until(lambda: rec.ready is not None, timeout=120)
-    deadline = time.monotonic() + 60
-    while (spare := engine_child._spare) is None:  # started by the reader right after the ready message
-        assert time.monotonic() < deadline
+    deadline = time.monotonic() + 120
+    while (spare := engine_child._spare) is None or not spare.imported:  # started once the engine was ready
+        assert time.monotonic() < deadline, "no spare, or its imports never ended"
         await asyncio.sleep(0.01)
-    assert spare.started and spare.process.pid != old.pid
+    assert spare.process.pid != old.pid and spare.process.is_alive()
     os.kill(old.pid, signal.SIGKILL)
     await rec.until(lambda: rec.lost is not None)
     new_rec = Recorder()
@@ -162,8 +172,32 @@ async def test_the_replacement_runs_in_the_spare_started_once_its_predecessor_wa
     assert fresh is not dead and not fresh.started and engine_child._spare is None
 
 
+async def test_a_spare_that_cannot_start_leaves_the_engine_serving(tiny_model_dir, monkeypatch, caplog) -> None:
+    """No file descriptors left for its pipes: the engine it was for goes on, and a replacement spawns its own."""
+
+    class NoSpares(engine_child.EngineChild):
+        def __init__(self, spare: bool = False) -> None:
+            if spare:
+                raise OSError(errno.EMFILE, "Too many open files")
+            super().__init__()
+
+    no_spare()
+    monkeypatch.setattr(engine_child, "EngineChild", NoSpares)
+    rec = Recorder()
+    host = EngineProcess(tiny_factory(tiny_model_dir), rec, asyncio.get_running_loop(), spare=True)
+    host.start()
+    await rec.until(lambda: rec.ready is not None, timeout=120)
+    host.send(Add("short", _ids(8), SamplingParams(max_tokens=4, ignore_eos=True), fit_max_tokens=True))
+    await rec.until(lambda: "short" in rec.finished())
+    assert rec.lost is None and rec.fatal is None and engine_child._spare is None
+    assert "a spare engine process could not start" in caplog.text
+    host.send(Stop())
+    await asyncio.get_running_loop().run_in_executor(None, host.join, 30)
+
+
 async def test_the_child_started_early_runs_the_first_engine(tiny_model_dir) -> None:
     """`sluice serve` starts the child before its own imports; the first host takes it, a later one spawns its own."""
+    no_spare()
     engine_child.start_early()
     early = engine_child._early
     assert early is not None and early.process.pid is not None

@@ -25,6 +25,7 @@ from service.bridge import EngineBridge
 from service.config import ServerConfig
 from service.handle import GenerateRequest
 from tests.service.conftest import check_chat_frames, collect, in_process, recv, send, user_chat
+from tests.service.test_engine_process import no_spare
 
 MAX_LEN = 256
 N_TOKENS = 24
@@ -191,6 +192,7 @@ async def test_an_engine_process_that_dies_or_hangs_is_replaced_and_every_stream
     new process loads the model and resumes them all. The texts are those of an engine thread without the fault."""
     expected = await asyncio.get_running_loop().run_in_executor(None, reference, 9)
     factory = FaultyProcessEngine(engine_config(tiny_model_dir), tmp_path / "built", 9, how)
+    no_spare()
     b = await started_bridge(factory, step_timeout=3.0 if how == "hang" else 0.0, engine_process=True)
     first = b._engine
     try:
