@@ -81,46 +81,42 @@ class DiesOnce:
                 self.at = time.monotonic()
                 self.given = [r.num_output_tokens for r in sorted(reqs, key=lambda r: int(r.request_id))]
                 self.prompt_tokens = eng.prompt_tokens_computed  # the new engine's count goes on from here
-                raise RuntimeError("injected engine death")
+                self.die()
             return step()
 
         eng.step = step_or_die
         return eng
 
+    def die(self) -> None:
+        raise RuntimeError("injected engine death")
 
-class CrashesOnce:
+
+class CrashesOnce(DiesOnce):
     """`DiesOnce` for a bridge with `engine_process`: an engine factory that pickles, its fault in the child. The
     first engine it builds (`record` absent) writes down when it dies and what each request had, then kills its own
     process (`kill -9`); the engines of later processes (the replacement) are plain."""
 
     def __init__(self, config: EngineConfig, record: Path, n: int, trigger: int) -> None:
-        self.config, self.record, self.n, self.trigger = config, record, n, trigger
+        super().__init__(n, trigger)
+        self.config, self.record = config, record
 
     def __call__(self) -> LLMEngine:
         eng = LLMEngine(self.config)
         if self.record.exists():
             return eng
         self.record.write_text("")  # taken: the next process's engine is plain
-        step = eng.step
+        return self.wrap(eng)
 
-        def step_or_die():
-            reqs = eng.requests.values()
-            if len(reqs) == self.n and all(r.num_output_tokens >= self.trigger for r in reqs):
-                # NOTE: the last step's outputs are in the pipe already: the server reads them after the death
-                given = [r.num_output_tokens for r in sorted(reqs, key=lambda r: int(r.request_id))]
-                self.record.write_text(json.dumps({"at": time.monotonic(), "given": given,
-                                                   "prompt_tokens": eng.prompt_tokens_computed}))
-                os.kill(os.getpid(), signal.SIGKILL)
-            return step()
-
-        eng.step = step_or_die
-        return eng
+    def die(self) -> None:
+        # NOTE: the last step's outputs are in the pipe already: the server reads them after the death
+        self.record.write_text(json.dumps({"at": self.at, "given": self.given, "prompt_tokens": self.prompt_tokens}))
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def fault(self) -> DiesOnce:
-        """What the child wrote down, as a `DiesOnce` (CLOCK_MONOTONIC is one clock for every process)."""
-        fault, record = DiesOnce(self.n, self.trigger), json.loads(self.record.read_text())
-        fault.at, fault.given, fault.prompt_tokens = record["at"], record["given"], record["prompt_tokens"]
-        return fault
+        """What the child wrote down (CLOCK_MONOTONIC is one clock for every process)."""
+        record = json.loads(self.record.read_text())
+        self.at, self.given, self.prompt_tokens = record["at"], record["given"], record["prompt_tokens"]
+        return self
 
 
 async def _serve(factory, prompts: list[list[int]], output: int, engine_process: bool = False) -> dict:
