@@ -178,6 +178,13 @@ class StepGraphs:
             return self.mixed[bisect.bisect_left(self.mixed, (num_tokens, 0))]
         return None
 
+    def eager_from(self, decodes: int) -> int:
+        """The fewest prompt tokens that make a step with `decodes` decodes (one token each) run eagerly: 0 where it
+        does with none, 1 where no mixed step replays (`full_decode_only`), else past the largest mixed bucket."""
+        if decodes and self.bucket(decodes, decodes) is None:
+            return 0
+        return max(1, self.mixed[-1][0] - decodes + 1) if self.mixed else 1
+
     def stage(self, inputs: StepInputs, cu: np.ndarray, rows: np.ndarray,
               fill: tuple[torch.Tensor, Callable[[], torch.Tensor]] | None = None) -> Callable[[], torch.Tensor]:
         """The replay of a step whose inputs `inputs` holds (`StepInputs.fill`, which returned `cu`), padded here to

@@ -23,7 +23,7 @@ import kernels
 from engine import loader
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_dir, kernel_cache_dir, sluice_home
-from engine.cuda_graphs import graph_sizes
+from engine.cuda_graphs import StepGraphs, graph_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
@@ -289,7 +289,7 @@ class LLMEngine:
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         started = time.perf_counter()  # a step's whole time is a running stream's inter-token latency
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(graphs=self.runner.graphs)
         copy_s = self._copy_blocks()  # the host tier's copies this batch's allocations decided, before its forward
         if not batch:
             return outputs + self._emit_pending()
@@ -297,7 +297,7 @@ class LLMEngine:
         spec = self.scheduler.spec
         timed = self.config.itl_slo_ms is not None or spec is not None  # the step-cost model wants this step
         if timed:  # what it needs of the step, before commit: the rest decode, some of them with a draft
-            cost_x = _cost_features(batch)
+            cost_x = _cost_features(batch, self.runner.graphs)
             drafting = [r for r in batch.reqs if r.draft]  # (the scheduler's drafts: cleared as outputs are made)
             drafts = sum(len(r.draft) for r in drafting)
         rng = self._rng_state(batch)
@@ -358,7 +358,7 @@ class LLMEngine:
         try:
             if last is not None and last.result is None:
                 self._sample(last)
-            batch = self.scheduler.schedule(drafts=False)  # (a draft would read the placeholders)
+            batch = self.scheduler.schedule(drafts=False, graphs=self.runner.graphs)  # (a draft would read the placeholders)
             offloads, loads = self.block_manager.take_copies()
             copies = None
             if offloads or loads:  # on the forward thread: after the running step, which may write those blocks
@@ -392,7 +392,7 @@ class LLMEngine:
             return outputs
         f = _InFlight(batch, samples, launched=[i for i, s in enumerate(samples) if s])
         if self.config.itl_slo_ms is not None or spec is not None:  # before the step counts its tokens
-            f.cost_x = _cost_features(batch)
+            f.cost_x = _cost_features(batch, self.runner.graphs)
         for r, n, s in zip(batch.reqs, batch.num_new_tokens, samples):
             if r.status is not Status.RUNNING:
                 continue
@@ -829,12 +829,14 @@ def _copy(runner: ModelRunner, offloads: list[tuple[int, int]], loads: list[tupl
         raise DeviceError(f"a copy between the KV pool and the host tier failed ({e!r})") from e
 
 
-def _cost_features(batch: Batch) -> tuple[int, int, float]:
+def _cost_features(batch: Batch, graphs: StepGraphs | None) -> tuple[int, int, float, bool]:
     """The step-cost model's features of a step (engine/step_cost.py): its decodes, its prompt tokens, their
-    attention work."""
+    attention work, and whether it runs eagerly while `graphs` replay others (a step with drafts: whether it would
+    without them, as the plain step its time is compared with)."""
     chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling]
-    return (len(batch) - len(chunks), sum(n for _, n in chunks),
-            sum(attention_work(n, r.num_computed_tokens) for r, n in chunks))
+    decodes, prompt_tokens = len(batch) - len(chunks), sum(n for _, n in chunks)
+    return (decodes, prompt_tokens, sum(attention_work(n, r.num_computed_tokens) for r, n in chunks),
+            graphs is not None and prompt_tokens >= graphs.eager_from(decodes))
 
 
 def _prompt_tokens(req: Request, n: int) -> int:
@@ -935,7 +937,7 @@ class _InFlight:
     advanced: list[tuple[Request, int]] = field(default_factory=list)
     tables: dict[Request, list[int]] = field(default_factory=dict)  # each request's block table when it launched
     prompt_tokens: int = 0
-    cost_x: tuple[int, int, float] | None = None
+    cost_x: tuple[int, int, float, bool] | None = None
 
     def unplace(self) -> None:
         """Takes its placeholders out of its requests' tokens."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -19,6 +20,9 @@ from engine.pressure import PressureLadder
 from engine.request import Request, Status
 from engine.spec import Speculation
 from engine.step_cost import StepCost
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import StepGraphs
 
 
 class RequestQueue:
@@ -106,8 +110,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, drafts: bool = True) -> Batch:
-        """The next step's batch; with `drafts=False` no request drafts (speculation is skipped this step)."""
+    def schedule(self, drafts: bool = True, graphs: StepGraphs | None = None) -> Batch:
+        """The next step's batch; with `drafts=False` no request drafts (speculation is skipped this step). `graphs`:
+        the runner's CUDA graphs, if any (with `itl_slo_ms`, a step they do not replay is priced as eager)."""
         batch = Batch()
         policy = self.config.scheduling
         if policy == "mixed":
@@ -118,9 +123,10 @@ class Scheduler:
                 if drafting:
                     extra = self.spec.seconds([len(r.draft) for r in drafting], self._catchup(drafting)) or 0.0
                 floor = min(budget, self.bm.block_size)
-                budget = self.step_cost.prompt_budget(len(batch), self._next_prompt_context(),
-                                                      self.config.itl_slo_ms / 1e3, floor=floor, cap=budget,
-                                                      extra_s=extra)
+                decodes = len(batch)
+                budget = self.step_cost.prompt_budget(
+                    decodes, self._next_prompt_context(), self.config.itl_slo_ms / 1e3, floor=floor, cap=budget,
+                    extra_s=extra, eager_from=None if graphs is None else graphs.eager_from(decodes))
             self.prompt_budget = budget
             budget = self._schedule_partial_prefills(batch, budget)
             # NOTE: after the running requests took their blocks, so this step's preemptions gate its admissions

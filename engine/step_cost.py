@@ -3,10 +3,14 @@ inter-token latency target (`EngineConfig.itl_slo_ms`, docs/architecture.md §4)
 (engine/spec.py) what a plain step costs; `LinearFit` is the fit behind it, and behind what drafts add to a step.
 
 A running stream gets one token per step, so its inter-token latency is the step's time. The model:
-`seconds = c0 + c1 * decodes + c2 * prompt_tokens + c3 * attention`, where `attention` is the work of the prompt
-chunks' attention, each chunk of n tokens after c computed ones adding n * (c + n / 2) (in millions): a chunk deep
-in a long prompt costs more than the first. Fitted by least squares over the steps seen, older steps weighing less
-(`decay` per step), so a change of load or of machine speed is followed within a few dozen steps.
+`seconds = c0 + c1 * decodes + c2 * prompt_tokens + c3 * attention + c4 * eager`, where `attention` is the work of
+the prompt chunks' attention, each chunk of n tokens after c computed ones adding n * (c + n / 2) (in millions): a
+chunk deep in a long prompt costs more than the first; and `eager` is 1 for a step that runs eagerly while CUDA graphs
+replay the others (engine/cuda_graphs.py: under `cudagraph_mode="full_decode_only"` every step with prompt tokens,
+under `full` one too large for any bucket), whose kernels are launched one by one from Python: on a GPU that adds
+more time than the tokens do. Without graphs it is always 0 (and so is c4). Fitted by least squares over the steps
+seen, older steps weighing less (`decay` per step), so a change of load or of machine speed is followed within a few
+dozen steps.
 """
 from __future__ import annotations
 
@@ -51,31 +55,40 @@ class LinearFit:
 
 class StepCost(LinearFit):
     def __init__(self, decay: float = 0.97, ridge: float = 1e-6) -> None:
-        super().__init__(4, decay, ridge)  # x = (1, decodes, prompt tokens, attention)
+        super().__init__(5, decay, ridge)  # x = (1, decodes, prompt tokens, attention, eager)
 
-    def observe(self, decodes: int, prompt_tokens: int, attention: float, seconds: float) -> None:
-        self.add(np.array([1.0, decodes, prompt_tokens, attention]), seconds)
+    def observe(self, decodes: int, prompt_tokens: int, attention: float, eager: bool, seconds: float) -> None:
+        self.add(np.array([1.0, decodes, prompt_tokens, attention, float(eager)]), seconds)
 
-    def predict(self, decodes: int, prompt_tokens: int, attention: float) -> float | None:
-        return self.at(np.array([1.0, decodes, prompt_tokens, attention]))
+    def predict(self, decodes: int, prompt_tokens: int, attention: float, eager: bool = False) -> float | None:
+        return self.at(np.array([1.0, decodes, prompt_tokens, attention, float(eager)]))
 
     def prompt_budget(self, decodes: int, context: int, target_s: float, floor: int, cap: int,
-                      extra_s: float = 0.0) -> int:
+                      extra_s: float = 0.0, eager_from: int | None = None) -> int:
         """Most prompt tokens a step with `decodes` decodes (and `extra_s` seconds of drafts) may add, as one chunk
         after `context` computed tokens, and still take at most HEADROOM * `target_s`; within [floor, cap]:
-        prompts always advance, and never by more than the configured budget."""
+        prompts always advance, and never by more than the configured budget. `eager_from`: with CUDA graphs, the
+        fewest prompt tokens that make this step run eagerly (`StepGraphs.eager_from`); None without graphs."""
         if self.coef is None:
             return cap
-        c0, c1, c2, c3 = self.coef
+        c0, c1, _, _, c4 = self.coef
         room = HEADROOM * target_s - c0 - c1 * decodes - extra_s
+        n = self._tokens(room, context)
+        if eager_from is not None:  # the most a graphed step takes, or more where an eager one still fits
+            eager = self._tokens(room - c4, context)
+            n = max(min(n, eager_from - 1), eager if eager >= eager_from else -1)
+        return int(min(cap, max(floor, n)))
+
+    def _tokens(self, room: float, context: int) -> float:
+        """The most prompt tokens, as one chunk after `context` computed ones, whose cost fits in `room` seconds
+        (0 where none does; infinite where they cost nothing)."""
         if room <= 0:
-            return floor
+            return 0.0
+        c2, c3 = self.coef[2], self.coef[3]
         # c2 n + c3 n (context + n / 2) / 1e6 <= room: the positive root of a quadratic in n
         a, b = c3 / 2e6, c2 + c3 * context / 1e6
         if a > 0:
-            n = (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
-        elif b > 0:
-            n = room / b
-        else:
-            return cap
-        return int(min(cap, max(floor, n)))
+            return (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
+        if b > 0:
+            return room / b
+        return math.inf

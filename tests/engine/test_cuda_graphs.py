@@ -42,10 +42,14 @@ def test_bucket_choice():
     assert g.bucket(1, 1) == (1, 1) and g.bucket(3, 3) == (4, 4) and g.bucket(17, 17) == (32, 32)
     assert g.bucket(4, 3) == (16, 22) and g.bucket(33, 2) == (48, 22) and g.bucket(112, 20) == (112, 22)
     assert g.bucket(113, 20) is None
+    # the fewest prompt tokens beside d decodes that leave every bucket (the step-cost model prices those as eager)
+    assert g.eager_from(3) == 110 and g.eager_from(0) == 113 and g.eager_from(20) == 93
+    assert g.eager_from(33) == 0  # more sequences than any bucket holds: eager with no prompt token
     g.decode = g.decode[:3]  # decode steps past the largest decode bucket take a mixed one
-    assert g.bucket(5, 5) == (16, 22)
+    assert g.bucket(5, 5) == (16, 22) and g.eager_from(5) == 108
     g.mixed = []
     assert g.bucket(5, 5) is None and g.bucket(4, 3) is None
+    assert g.eager_from(5) == 0 and g.eager_from(2) == 1  # decode steps only: any prompt token runs eagerly
 
 
 @pytest.mark.parametrize("max_len", [16, 64, 4096])

@@ -85,7 +85,7 @@ def _teach(spec: Speculation, c0: float, c1: float, c4: float) -> Speculation:
     rng = random.Random(0)
     for _ in range(100):
         d = rng.randint(1, 64)
-        spec.step_cost.observe(d, 0, 0.0, c0 + c1 * d)
+        spec.step_cost.observe(d, 0, 0.0, False, c0 + c1 * d)
     for _ in range(20):
         d, k, m = rng.randint(1, 64), rng.choice([4, 16, 64]), rng.randint(1, 4)
         spec.observe_step(spec.step_cost.predict(d, 0, 0.0), c0 + c1 * d + c4 * k, k, m)
