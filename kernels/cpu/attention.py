@@ -68,8 +68,9 @@ def paged_attention(
     if err:
         raise ValueError(f"paged_attention: {ERRORS.get(err, f'error {err}')}")
     for b in range(B):  # prefill chunks: AMX tiles, or gather once and SDPA's flash kernel
-        n, L = cu[b + 1] - cu[b], int(seq_lens[b])
+        n = cu[b + 1] - cu[b]
         if n > max_q_len:
+            L = int(seq_lens[b])  # (only here: a tensor's item costs microseconds, and a decode batch has hundreds)
             if n > L:  # as the native kernel checks the shorter ones
                 raise ValueError(f"paged_attention: {ERRORS[2]}")
             out[cu[b] : cu[b + 1]] = _prefill_attention(q[cu[b] : cu[b + 1]], k_cache, v_cache, block_tables[b],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -24,8 +25,13 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def native_builds(tmp_path_factory) -> dict[str, Native]:
     """The native CPU kernels the engine builds (the same library, from its cache) and, on x86, built without AVX-512
-    (the plain C++ loops that other CPUs run)."""
+    (the AVX2 paths most x86 CPUs run) and without AVX2 (the plain C++ loops that other CPUs run); those two
+    compile at once."""
     libs = {"native": bind(build(kernel_cache_dir()))}
     if platform.machine() in ("x86_64", "AMD64"):
-        libs["no-avx512"] = bind(build(tmp_path_factory.mktemp("kernels"), (*FLAGS, "-mno-avx512f")))
+        variants = {"no-avx512": "-mno-avx512f", "plain": "-mno-avx2"}
+        with ThreadPoolExecutor(len(variants)) as pool:
+            built = {name: pool.submit(build, tmp_path_factory.mktemp("kernels"), (*FLAGS, flag))
+                     for name, flag in variants.items()}
+        libs |= {name: bind(f.result()) for name, f in built.items()}
     return libs

@@ -59,7 +59,7 @@ def _store_inputs(dtype: torch.dtype, cache_dtype: torch.dtype, device: str = "c
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("cache_dtype", QUANT, ids=str)
-@pytest.mark.parametrize("build", ["native", "no-avx512"])
+@pytest.mark.parametrize("build", ["native", "no-avx512", "plain"])
 def test_native_store_equals_the_twin(native_builds, build, dtype, cache_dtype):
     if build not in native_builds:
         pytest.skip("x86-only build variant")
@@ -105,7 +105,7 @@ def test_twin_reads_the_dequantized_cache(dtype, cache_dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cache_dtype", QUANT, ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-@pytest.mark.parametrize("build", ["native", "no-avx512"])
+@pytest.mark.parametrize("build", ["native", "no-avx512", "plain"])
 def test_native_attention_equals_the_twin(native_builds, build, dtype, cache_dtype, head_dim):
     if build not in native_builds:
         pytest.skip("x86-only build variant")

@@ -7,16 +7,16 @@
 // Decode attention on a CPU is bound by reading the cache, so a work item is one sequence and a group
 // of its KV heads (all of them unless the batch is too small to keep every thread busy): a block's
 // rows are then read front to back. Each query row walks the blocks once: scores, online-softmax
-// update, weighted sum of V. With AVX-512 and a head dim of 64 or 128, a row's accumulator stays in
-// registers and the scores of 16 keys come out of one transpose-and-add instead of 16 horizontal sums;
-// elsewhere the same loops are plain C++ that the compiler vectorizes. Items are scheduled
+// update, weighted sum of V. With AVX-512 (or AVX2) and a head dim of 32, 64 or 128, a row's accumulator stays
+// in registers and the scores of 16 (8) keys come out of one transpose-and-add instead of a horizontal sum per
+// key; elsewhere the same loops are plain C++ that the compiler vectorizes. Items are scheduled
 // dynamically, as context lengths differ. (Software prefetch of the next block measured slower.)
 //
 // A quantized cache (int8 or fp8 e4m3, one fp32 scale per token and KV head) is read as is: a key's scale
 // multiplies its score, a value's scale its softmax weight, so no row is dequantized into memory.
 #include <omp.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -141,6 +142,76 @@ struct RowOps<E, DC> {
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
   }
 };
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (most x86 CPUs without AVX-512): the same shape, eight floats a register. The plain loops reduce each
+// key's score horizontally (16 partial sums, one at a time); here eight keys' scores come out of one
+// transpose-and-add, and a row's accumulator stays in registers across a block's values.
+template <class E> __m256 load8(const typename E::T* p);
+template <> inline __m256 load8<F32>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 load8<BF16>(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <> inline __m256 load8<F16>(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <> inline __m256 load8<I8>(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <> inline __m256 load8<FP8>(const uint8_t* p) {  // as cpu_common.h fp8_to_f32: through a half
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+
+// Lane t of the result is the sum of the 8 lanes of v[t]: two levels of horizontal adds give each 128-bit
+// half's sums of four rows, then the halves are added.
+inline __m256 transpose_sum8(const __m256* v) {
+  const __m256 y0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // rows 0-3, per half
+  const __m256 y1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // rows 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20), _mm256_permute2f128_ps(y0, y1, 0x31));
+}
+
+template <class E, int DC>
+  requires(DC > 0 && DC % 8 == 0)
+struct RowOps<E, DC> {
+  using T = typename E::T;
+  static constexpr int C = DC / 8;  // 8-float chunks of a row
+  static void scores(const float* q, const T* k, int64_t stride, int64_t n, int64_t, float*, float* s) {
+    __m256 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const int m = int(std::min<int64_t>(8, n - t0));
+      __m256 v[8];
+      for (int t = 0; t < 8; ++t) {
+        if (t < m) {
+          const T* kt = k + (t0 + t) * stride;
+          __m256 a = _mm256_mul_ps(qv[0], load8<E>(kt));
+          for (int c = 1; c < C; ++c) a = _mm256_fmadd_ps(qv[c], load8<E>(kt + 8 * c), a);
+          v[t] = a;
+        } else {
+          v[t] = _mm256_setzero_ps();
+        }
+      }
+      alignas(32) float out[8];
+      _mm256_store_ps(out, transpose_sum8(v));
+      std::memcpy(s + t0, out, m * sizeof(float));
+    }
+  }
+  static void weighted_sum(float* acc, float alpha, const float* p, const T* v, int64_t stride, int64_t n,
+                           int64_t, float*) {
+    __m256 a[C];
+    const __m256 al = _mm256_set1_ps(alpha);
+    for (int c = 0; c < C; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), al);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t]);
+      const T* vt = v + t * stride;
+      for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(pt, load8<E>(vt + 8 * c), a[c]);
+    }
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+  }
+};
 #endif
 
 struct Scratch {
@@ -164,7 +235,7 @@ struct Args {
 };
 
 // E: the element of q and out; C: of the cache (E, or a quantized one). DC: the head dim when known at compile
-// time (64 and 128, the common ones), else 0.
+// time (32, 64 and 128: small models' and the common ones), else 0.
 template <class E, class C, int DC>
 int attend(const Args& a) {
   using T = typename E::T;
@@ -259,6 +330,9 @@ int attend(const Args& a) {
 template <class E, class C>
 int attend_any_dim(const Args& a) {
   switch (a.D) {
+    case 32:  // (small models': not quantized, whose instances would only add build time)
+      if constexpr (std::is_same_v<E, C>) return attend<E, C, 32>(a);
+      return attend<E, C, 0>(a);
     case 64: return attend<E, C, 64>(a);
     case 128: return attend<E, C, 128>(a);
     default: return attend<E, C, 0>(a);

@@ -1,7 +1,8 @@
 """The native CPU paged attention (`kernels/cpu/attention.py`, `csrc/paged_attention_cpu.cpp`) equals the torch twin.
 
-Both native_builds are checked: the default one (`-march=native`: the AVX-512 path on CPUs that have it, for head
-dims 64 and 128) and one compiled without AVX-512, which takes the plain C++ loops everywhere.
+Every native build is checked: the default one (`-march=native`: the AVX-512 path on CPUs that have it, for head
+dims 32, 64 and 128), one compiled without AVX-512 (the AVX2 path for those dims) and one without AVX2, which takes
+the plain C++ loops everywhere.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _check(lib, batch: PagedBatch, scale: float = 0.3, **kw) -> None:
     torch.testing.assert_close(out, ref, **TOLERANCES[batch.q.dtype])
 
 
-@pytest.mark.parametrize("build", ["native", "no-avx512"])
+@pytest.mark.parametrize("build", ["native", "no-avx512", "plain"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
 def test_equals_the_twin(native_builds, build, dtype, head_dim):
