@@ -15,6 +15,7 @@ share of them accepted, and whether the outputs were identical (they must be: gr
 """
 from __future__ import annotations
 
+import functools
 import random
 import re
 import statistics
@@ -38,12 +39,20 @@ FULL = Sizes(12, 64, 160)
 QUICK = Sizes(4, 4, 24)  # batch 1 takes the same 4 chats: 2 of them need not quote a thing in 24 tokens
 
 
+@functools.cache
+def _corpus():
+    """The training script's chats (engine/train.py `corpus`: half a second to build, and each workload reads it)."""
+    from engine.train import corpus
+
+    return corpus(0)
+
+
 def chats(kind: str, n: int, seed: int) -> list[list[dict[str, str]]]:
     """`n` chats of a workload, from the training script's held-out material."""
     from engine.train import (HELD_OUT_OBJECT_QUESTION, HELD_OUT_OBJECTS, HELD_OUT_TOPIC_QUESTION, OBJECT_QUESTIONS,
-                              TOPIC_QUESTIONS, _paragraphs, corpus)
+                              TOPIC_QUESTIONS, _paragraphs)
 
-    train, held, _ = corpus(0)
+    train, held, _ = _corpus()
     subjects = sorted({c.key.split(":")[1] for c in train if c.key.startswith("object:")})[::40]
     subjects = [f"`{s}`" for s in subjects] + ['the "for" statement', 'the "try" statement', 'the "if" statement',
                                                'the "while" statement', "lambdas", "slicings"]

@@ -1,6 +1,7 @@
-"""Smoke test of `python -m bench`: the quick offline/stall/prefix runs finish and write docs/architecture.md §10 results.
+"""Smoke test of `python -m bench`: the quick runs finish and write docs/architecture.md §10 results.
 
-Runs on the tiny test model in one subprocess (one torch import); it checks shapes, not speed.
+Runs on the tiny test model, the workloads that take no options of their own in one subprocess (one torch import);
+it checks shapes, not speed.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def quick(workloads, model: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def results(tiny_model_dir, tmp_path_factory) -> Path:
-    return quick(SYSTEMS, tiny_model_dir, tmp_path_factory.mktemp("bench"))
+    return quick([*SYSTEMS, "replay", "restart", "kvquant", "spec"], tiny_model_dir, tmp_path_factory.mktemp("bench"))
 
 
 @pytest.mark.parametrize("workload", sorted(SYSTEMS))
@@ -91,10 +92,10 @@ def test_paired_ratio_is_the_median_of_same_round_ratios() -> None:
     assert paired_ratio({}, baseline, "tok_s") is None
 
 
-def test_replay_resumes_every_chat_whole(tiny_model_dir, tmp_path) -> None:
+def test_replay_resumes_every_chat_whole(results: Path) -> None:
     """The quick replay run: each replay row rebuilt the engine once (the engine process's in a new process), every
     chat got every token once, and the float32 texts equal the unfaulted run's (the bench's own targets)."""
-    data = json.loads((quick(["replay"], tiny_model_dir, tmp_path) / "replay.json").read_text())
+    data = json.loads((results / "replay.json").read_text())
     rows = {r["system"]: r for r in data["rows"]}
     assert set(rows) == {"start-over", "replay", "replay-no-prefix-cache", "replay-float32", "replay-engine-process"}
     assert all(r["whole"] for r in rows.values()) and rows["start-over"]["restarts"] == 0
@@ -106,8 +107,8 @@ def test_replay_resumes_every_chat_whole(tiny_model_dir, tmp_path) -> None:
     assert rows["replay"]["prompt_tokens_recomputed"] < rows["replay-no-prefix-cache"]["prompt_tokens_recomputed"]
 
 
-def test_restart_loads_the_pinned_prompt_from_the_store(tiny_model_dir, tmp_path) -> None:
-    data = json.loads((quick(["restart"], tiny_model_dir, tmp_path) / "restart.json").read_text())
+def test_restart_loads_the_pinned_prompt_from_the_store(results: Path) -> None:
+    data = json.loads((results / "restart.json").read_text())
     rows = {r["system"]: r for r in data["rows"]}
     store, none = rows["store"], rows["no-store"]
     assert store["prompt_tokens_computed"] < none["prompt_tokens_computed"]  # the prompt came from the store
@@ -115,8 +116,8 @@ def test_restart_loads_the_pinned_prompt_from_the_store(tiny_model_dir, tmp_path
     assert data["targets"][1]["met"]  # the same first token either way
 
 
-def test_kvquant_reports_accuracy_kernels_and_capacity(tiny_model_dir, tmp_path) -> None:
-    data = json.loads((quick(["kvquant"], tiny_model_dir, tmp_path) / "kvquant.json").read_text())
+def test_kvquant_reports_accuracy_kernels_and_capacity(results: Path) -> None:
+    data = json.loads((results / "kvquant.json").read_text())
     rows = {r["system"]: r for r in data["rows"]}
     for kv in ("int8", "fp8"):
         r = rows[f"embedded {kv}"]
@@ -153,8 +154,8 @@ def test_host_reports_each_phase_and_the_baselines(tiny_model_dir, tmp_path) -> 
     assert all(t["value"] is not None for t in data["targets"])  # ratios against the baselines, in the same run
 
 
-def test_spec_reports_each_method_against_plain_decoding(tiny_model_dir, tmp_path) -> None:
-    data = json.loads((quick(["spec"], tiny_model_dir, tmp_path) / "spec.json").read_text())
+def test_spec_reports_each_method_against_plain_decoding(results: Path) -> None:
+    data = json.loads((results / "spec.json").read_text())
     rows = {r["system"]: r for r in data["rows"]}
     for kind in ("copy", "ask"):
         for batch in ("batch 1", "batch 64", "batch 64 (forced)"):
