@@ -178,12 +178,18 @@ class StepGraphs:
             return self.mixed[bisect.bisect_left(self.mixed, (num_tokens, 0))]
         return None
 
-    def eager_from(self, decodes: int) -> int:
-        """The fewest prompt tokens that make a step with `decodes` decodes (one token each) run eagerly: 0 where it
-        does with none, 1 where no mixed step replays (`full_decode_only`), else past the largest mixed bucket."""
-        if decodes and self.bucket(decodes, decodes) is None:
-            return 0
-        return max(1, self.mixed[-1][0] - decodes + 1) if self.mixed else 1
+    def eager_from(self, decodes: int, drafts: int = 0) -> int:
+        """The fewest prompt tokens that make a step of `decodes` decodes, with `drafts` draft tokens among them, run
+        eagerly (as `ModelRunner.graphed` decides): 0 where it does with none (no bucket holds it, or its logits
+        rows, one per decode and draft token, do not fit one); without mixed buckets (`full_decode_only`) 1, or 2
+        where one prompt token still makes a decode-shaped step; else past the largest mixed bucket."""
+        if decodes:
+            key = self.bucket(decodes + drafts, decodes)
+            if key is None or decodes + drafts > key[1]:
+                return 0
+        if not self.mixed:
+            return 2 if self.bucket(decodes + 1, decodes + 1) is not None else 1
+        return max(1, self.mixed[-1][0] - decodes - drafts + 1)
 
     def stage(self, inputs: StepInputs, cu: np.ndarray, rows: np.ndarray,
               fill: tuple[torch.Tensor, Callable[[], torch.Tensor]] | None = None) -> Callable[[], torch.Tensor]:

@@ -23,7 +23,7 @@ import kernels
 from engine import loader
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_dir, kernel_cache_dir, sluice_home
-from engine.cuda_graphs import StepGraphs, graph_sizes
+from engine.cuda_graphs import graph_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
@@ -297,7 +297,7 @@ class LLMEngine:
         spec = self.scheduler.spec
         timed = self.config.itl_slo_ms is not None or spec is not None  # the step-cost model wants this step
         if timed:  # what it needs of the step, before commit: the rest decode, some of them with a draft
-            cost_x = _cost_features(batch, self.runner.graphs)
+            cost_x = _cost_features(batch, samples, self.runner)
             drafting = [r for r in batch.reqs if r.draft]  # (the scheduler's drafts: cleared as outputs are made)
             drafts = sum(len(r.draft) for r in drafting)
         rng = self._rng_state(batch)
@@ -392,7 +392,7 @@ class LLMEngine:
             return outputs
         f = _InFlight(batch, samples, launched=[i for i, s in enumerate(samples) if s])
         if self.config.itl_slo_ms is not None or spec is not None:  # before the step counts its tokens
-            f.cost_x = _cost_features(batch, self.runner.graphs)
+            f.cost_x = _cost_features(batch, samples, self.runner)
         for r, n, s in zip(batch.reqs, batch.num_new_tokens, samples):
             if r.status is not Status.RUNNING:
                 continue
@@ -829,14 +829,14 @@ def _copy(runner: ModelRunner, offloads: list[tuple[int, int]], loads: list[tupl
         raise DeviceError(f"a copy between the KV pool and the host tier failed ({e!r})") from e
 
 
-def _cost_features(batch: Batch, graphs: StepGraphs | None) -> tuple[int, int, float, bool]:
+def _cost_features(batch: Batch, samples: list[bool], runner: ModelRunner) -> tuple[int, int, float, bool]:
     """The step-cost model's features of a step (engine/step_cost.py): its decodes, its prompt tokens, their
-    attention work, and whether it runs eagerly while `graphs` replay others (a step with drafts: whether it would
-    without them, as the plain step its time is compared with)."""
+    attention work, and whether it runs eagerly while CUDA graphs replay others (drafts included: what they add
+    beside that is speculation's to learn)."""
     chunks = [(r, n) for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling]
-    decodes, prompt_tokens = len(batch) - len(chunks), sum(n for _, n in chunks)
-    return (decodes, prompt_tokens, sum(attention_work(n, r.num_computed_tokens) for r, n in chunks),
-            graphs is not None and prompt_tokens >= graphs.eager_from(decodes))
+    return (len(batch) - len(chunks), sum(n for _, n in chunks),
+            sum(attention_work(n, r.num_computed_tokens) for r, n in chunks),
+            runner.graphs is not None and not runner.graphed(batch, samples))
 
 
 def _prompt_tokens(req: Request, n: int) -> int:

@@ -244,7 +244,7 @@ class ModelRunner:
             dst = torch.from_numpy(np.cumsum(batch.num_new_tokens)[list(placeholders)] - 1).to(self.device)
         starts, new = self._tokens(batch)
         extra = [len(batch.reqs[i].draft) for i in rows]  # each sampled row's draft: its positions are verified too
-        if self._graphed(batch, len(rows) + sum(extra)):
+        if self._graphed(batch, len(rows) + sum(extra)):  # (as `graphed` says)
             buf = self._claim_inputs()
             cu = buf.fill(batch.reqs, starts, new, self.block_size)
             indices = _logits_indices(cu[1:][rows] - 1, extra)
@@ -274,6 +274,11 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, reqs)
         self.sampled = self.sampler.last
         return [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs]
+
+    def graphed(self, batch: Batch, samples: list[bool]) -> bool:
+        """Does a CUDA graph replay this step (`samples`: `batch.samples()`)?"""
+        rows = [i for i, s in enumerate(samples) if s]
+        return self._graphed(batch, len(rows) + sum(len(batch.reqs[i].draft) for i in rows))
 
     def _graphed(self, batch: Batch, num_rows: int) -> bool:
         """Is this a step a graph replays: a bucket holds its tokens and sequences, and has room for its `num_rows`

@@ -100,6 +100,7 @@ class Scheduler:
         self.num_preemptions = 0
         # with config.itl_slo_ms or speculation: fed by the engine after every step, sizes prompt chunks, prices drafts
         self.step_cost = StepCost()
+        self.graphs: StepGraphs | None = None  # the runner's CUDA graphs, as the step being scheduled was given them
         self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
         self.pressure = PressureLadder(block_manager.num_blocks)  # `mixed` only: the others stay `normal`
         self.spec = Speculation(config, max_model_len, self.step_cost) if config.speculative else None
@@ -114,6 +115,7 @@ class Scheduler:
         """The next step's batch; with `drafts=False` no request drafts (speculation is skipped this step). `graphs`:
         the runner's CUDA graphs, if any (with `itl_slo_ms`, a step they do not replay is priced as eager)."""
         batch = Batch()
+        self.graphs = graphs
         policy = self.config.scheduling
         if policy == "mixed":
             budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts)
@@ -123,10 +125,10 @@ class Scheduler:
                 if drafting:
                     extra = self.spec.seconds([len(r.draft) for r in drafting], self._catchup(drafting)) or 0.0
                 floor = min(budget, self.bm.block_size)
-                decodes = len(batch)
+                decodes, draft_tokens = len(batch), sum(len(r.draft) for r in drafting)
                 budget = self.step_cost.prompt_budget(
                     decodes, self._next_prompt_context(), self.config.itl_slo_ms / 1e3, floor=floor, cap=budget,
-                    extra_s=extra, eager_from=None if graphs is None else graphs.eager_from(decodes))
+                    extra_s=extra, eager_from=None if graphs is None else graphs.eager_from(decodes, draft_tokens))
             self.prompt_budget = budget
             budget = self._schedule_partial_prefills(batch, budget)
             # NOTE: after the running requests took their blocks, so this step's preemptions gate its admissions
@@ -168,7 +170,7 @@ class Scheduler:
                 self._preempt(req)
         decodes = len(batch) - first
         if (self.spec is not None and drafts and decodes and self.spec.enabled_for(decodes)
-                and self.spec.may_pay(decodes)):
+                and self.spec.may_pay(decodes, self.graphs)):
             budget = self._schedule_drafts(batch, first, budget)
         return budget
 
@@ -184,7 +186,7 @@ class Scheduler:
             if draft:
                 proposed.append((i, draft))
         allowed = self.spec.allow(len(batch) - first, [len(d) for _, d in proposed],
-                                  self._catchup([batch.reqs[i] for i, _ in proposed]))
+                                  self._catchup([batch.reqs[i] for i, _ in proposed]), self.graphs)
         for (i, draft), n in zip(proposed, allowed):
             req, draft = batch.reqs[i], draft[:n]
             if draft and len(draft) <= budget and self.bm.allocate(req, 1 + len(draft)):

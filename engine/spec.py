@@ -20,11 +20,16 @@ estimates stay current.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from engine.config import EngineConfig
 from engine.request import Request
 from engine.step_cost import LinearFit, StepCost
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import StepGraphs
 
 COOLDOWN_MAX = 32  # steps a request with nothing accepted waits before proposing again, at most
 PROBE_EVERY = 32  # steps the cost model declines drafting in a row before one drafts anyway, to measure again
@@ -154,20 +159,27 @@ class Speculation:
         if forwards:
             self.draft_cost.add(np.array([forwards, tokens], dtype=np.float64), draft_s)
 
-    def _best(self, decodes: int, drafts: list[int], catchup: int) -> int | None:
+    def _best(self, decodes: int, drafts: list[int], catchup: int, graphs: StepGraphs | None) -> int | None:
         """The draft length that yields the most tokens per second in a step with `decodes` decodes, each proposal
-        (`drafts`) cut to it; 0 where plain decoding yields more; None while the cost models are not fitted."""
+        (`drafts`) cut to it; 0 where plain decoding yields more; None while the cost models are not fitted.
+        `graphs`: the runner's CUDA graphs, if any: a step none of them replays (drafts may make it one) costs
+        the step-cost model's eager term more."""
         c = self.step_cost.coef
         if c is None:
             return None
-        plain = max(c[0] + c[1] * decodes, 1e-9)  # a decode-only step's time: `decodes` tokens
+
+        def step(draft_tokens: int) -> float:  # a step of these decodes and draft tokens, without what drafts add
+            eager = graphs is not None and graphs.eager_from(decodes, draft_tokens) == 0
+            return c[0] + c[1] * decodes + c[4] * eager
+
+        plain = max(step(0), 1e-9)  # a decode-only step's time: `decodes` tokens
         best, best_rate = 0, decodes / plain
         for k in range(1, max(drafts, default=0) + 1):
             cut = [min(d, k) for d in drafts]
             extra = self.seconds(cut, catchup)
             if extra is None:
                 return None
-            rate = (decodes + sum(expected_kept(self.acceptance, d) for d in cut)) / (plain + extra)
+            rate = (decodes + sum(expected_kept(self.acceptance, d) for d in cut)) / max(step(sum(cut)) + extra, 1e-9)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -181,7 +193,7 @@ class Speculation:
         self.num_declined += 1
         return False
 
-    def may_pay(self, decodes: int) -> bool:
+    def may_pay(self, decodes: int, graphs: StepGraphs | None = None) -> bool:
         """Before any request proposes (a lookup costs time too): may a step with `decodes` decodes draft at all?
         Not before a plain step's cost is known (the steps without drafts teach it), nor once after PROBE_EVERY
         drafting steps in a row (to learn it again); not where drafts cannot pay even at best (every decode
@@ -191,9 +203,9 @@ class Speculation:
         if self.step_cost.coef is None or self._drafted_in_a_row >= PROBE_EVERY:
             self._drafted_in_a_row = 0
             return False
-        return self._best(decodes, [self.k] * decodes, 0) != 0 or self._decline()
+        return self._best(decodes, [self.k] * decodes, 0, graphs) != 0 or self._decline()
 
-    def allow(self, decodes: int, drafts: list[int], catchup: int = 0) -> list[int]:
+    def allow(self, decodes: int, drafts: list[int], catchup: int = 0, graphs: StepGraphs | None = None) -> list[int]:
         """How much of each proposal (`drafts`: each drafting request's length; `catchup`: their draft model's
         catch-up tokens) a step with `decodes` decodes verifies: all cut to the length that yields the most tokens
         per second by the cost models and the acceptance rate, or none where plain decoding yields more. Until
@@ -201,7 +213,7 @@ class Speculation:
         probe: one request, so that it costs little in a large batch)."""
         if not self.adaptive or not drafts:
             return drafts
-        best = self._best(decodes, drafts, catchup)
+        best = self._best(decodes, drafts, catchup, graphs)
         if best is None or best:
             self._declined_in_a_row = 0
             self._drafted_in_a_row += 1

@@ -45,11 +45,14 @@ def test_bucket_choice():
     # the fewest prompt tokens beside d decodes that leave every bucket (the step-cost model prices those as eager)
     assert g.eager_from(3) == 110 and g.eager_from(0) == 113 and g.eager_from(20) == 93
     assert g.eager_from(33) == 0  # more sequences than any bucket holds: eager with no prompt token
+    assert g.eager_from(3, drafts=4) == 106  # drafts take a mixed bucket's tokens, and need its logits rows
+    assert g.eager_from(20, drafts=2) == 91 and g.eager_from(20, drafts=3) == 0  # 23 rows: more than 22
     g.decode = g.decode[:3]  # decode steps past the largest decode bucket take a mixed one
     assert g.bucket(5, 5) == (16, 22) and g.eager_from(5) == 108
     g.mixed = []
     assert g.bucket(5, 5) is None and g.bucket(4, 3) is None
-    assert g.eager_from(5) == 0 and g.eager_from(2) == 1  # decode steps only: any prompt token runs eagerly
+    # decode steps only: a prompt token runs eagerly, unless it is a one-token chunk (as many tokens as sequences)
+    assert g.eager_from(5) == 0 and g.eager_from(2) == 2 and g.eager_from(4) == 1 and g.eager_from(2, drafts=1) == 0
 
 
 @pytest.mark.parametrize("max_len", [16, 64, 4096])
@@ -177,10 +180,16 @@ def test_padding_past_a_block_and_chunks_that_sample_nothing(tiny_model_dir):
 
 
 @pytest.mark.parametrize("setup", ["ngram", "draft model", "rows past the bucket"])
-def test_steps_verifying_drafts_replay(tiny_model_dir, setup):
+def test_steps_verifying_drafts_replay(tiny_model_dir, setup, monkeypatch):
     """A step with requests verifying drafts replays as a mixed step, the verified positions among its LM-head rows;
     a draft model's own forwards stay eager. With 2 sequences (buckets of a few more, for padding) two requests
-    verifying 4 drafts each want 10 rows: those steps run eagerly. The tokens are the plain path's."""
+    verifying 4 drafts each want 10 rows: those steps run eagerly, and the step-cost model is told so. The tokens
+    are the plain path's."""
+    import engine.engine as engine_module
+
+    labels = []
+    features = engine_module._cost_features
+    monkeypatch.setattr(engine_module, "_cost_features", lambda *a: labels.append(features(*a)[3]) or features(*a))
     kw = {"max_num_seqs": 2} if setup == "rows past the bucket" else {}
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
                                  speculative="ngram" if setup != "draft model" else f"draft:{tiny_model_dir}",
@@ -197,6 +206,7 @@ def test_steps_verifying_drafts_replay(tiny_model_dir, setup):
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     stats = eng.stats()
     assert stats["spec_draft_tokens"] > 0
+    assert len(labels) == stats["num_steps"] and sum(labels) == stats["num_steps"] - sum(used.values())
     if setup == "rows past the bucket":
         seqs = eng.runner.graphs.mixed[0][1]
         assert 0 < sum(used.values()) < stats["num_steps"] and all(r <= seqs < 10 for _, r in rows)

@@ -230,7 +230,7 @@ def test_a_failure_outside_the_model_loses_no_pending_abort(eng, monkeypatch):
     eng.abort("gone")
     real = eng.scheduler.schedule
 
-    def broken():
+    def broken(**kw):
         raise RuntimeError("scheduler broken")
 
     monkeypatch.setattr(eng.scheduler, "schedule", broken)

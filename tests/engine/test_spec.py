@@ -139,6 +139,33 @@ def test_drafts_only_where_they_pay():
     assert off.allow(64, [4] * 64) == [4] * 64
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["full", "full_decode_only"])
+def test_a_draft_that_leaves_every_graph_pays_for_the_eager_step(mixed):
+    """With CUDA graphs (a GPU's shape: a replayed step 1 ms, an eager one 10 ms more, 0.1 ms a draft token), a
+    batch-1 draft pays where a mixed graph replays its step, and not where drafts make the step eager (decode
+    graphs only: a step with drafts has more tokens than sequences)."""
+    from engine.cuda_graphs import StepGraphs, buckets, capture_sizes, token_sizes
+
+    g = StepGraphs.__new__(StepGraphs)
+    g.decode, g.mixed = buckets(capture_sizes(64), token_sizes(512) if mixed else [], 64, 1024)
+    g.max_num_seqs = 64
+    spec = Speculation(EngineConfig(speculative="ngram", num_speculative_tokens=4), 1000)
+    rng = random.Random(0)
+    for _ in range(100):  # plain steps, replayed or (with prompt tokens, decode graphs only) eager
+        d, p = rng.randint(1, 64), rng.choice([0, 0, 16, 64, 256])
+        eager = p >= g.eager_from(d)
+        spec.step_cost.observe(d, p, 0.0, eager, 0.001 + 0.00001 * d + 0.000001 * p + 0.010 * eager)
+    for _ in range(20):  # what drafts add beside that
+        d, k, m = rng.randint(1, 16), rng.choice([4, 16]), rng.randint(1, 4)
+        spec.observe_step(spec.step_cost.predict(d, 0, 0.0, g.eager_from(d, k) == 0),
+                          0.001 + 0.00001 * d + 0.0001 * k + 0.010 * (g.eager_from(d, k) == 0), k, m)
+    _accepting(spec, 0.7)
+    if not mixed:
+        assert spec.step_cost.coef[4] == pytest.approx(0.010, rel=1e-3)
+    assert spec.allow(1, [4], graphs=g) == ([4] if mixed else [0])
+    assert spec.allow(1, [4]) == [4]  # (priced without graphs: no eager step)
+
+
 def test_a_draft_model_pays_for_its_forwards():
     """With a draft model each further draft token costs a forward of it (here 1 ms), and its catch-up tokens
     (0.01 ms each) come first."""
