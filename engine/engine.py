@@ -358,7 +358,8 @@ class LLMEngine:
         try:
             if last is not None and last.result is None:
                 self._sample(last)
-            batch = self.scheduler.schedule(drafts=False, graphs=self.runner.graphs)  # (a draft would read the placeholders)
+            # (no drafts: a draft would read the placeholders)
+            batch = self.scheduler.schedule(drafts=False, graphs=self.runner.graphs)
             offloads, loads = self.block_manager.take_copies()
             copies = None
             if offloads or loads:  # on the forward thread: after the running step, which may write those blocks

@@ -244,7 +244,7 @@ class ModelRunner:
             dst = torch.from_numpy(np.cumsum(batch.num_new_tokens)[list(placeholders)] - 1).to(self.device)
         starts, new = self._tokens(batch)
         extra = [len(batch.reqs[i].draft) for i in rows]  # each sampled row's draft: its positions are verified too
-        if self._graphed(batch, len(rows) + sum(extra)):  # (as `graphed` says)
+        if self._graphed(batch, len(rows) + sum(extra)):
             buf = self._claim_inputs()
             cu = buf.fill(batch.reqs, starts, new, self.block_size)
             indices = _logits_indices(cu[1:][rows] - 1, extra)

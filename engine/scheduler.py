@@ -113,7 +113,8 @@ class Scheduler:
 
     def schedule(self, drafts: bool = True, graphs: StepGraphs | None = None) -> Batch:
         """The next step's batch; with `drafts=False` no request drafts (speculation is skipped this step). `graphs`:
-        the runner's CUDA graphs, if any (with `itl_slo_ms`, a step they do not replay is priced as eager)."""
+        the runner's CUDA graphs, if any: the step-cost model prices a step they do not replay as eager (the prompt
+        budget of `itl_slo_ms`, and speculation's drafts)."""
         batch = Batch()
         self.graphs = graphs
         policy = self.config.scheduling

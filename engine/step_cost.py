@@ -6,11 +6,11 @@ A running stream gets one token per step, so its inter-token latency is the step
 `seconds = c0 + c1 * decodes + c2 * prompt_tokens + c3 * attention + c4 * eager`, where `attention` is the work of
 the prompt chunks' attention, each chunk of n tokens after c computed ones adding n * (c + n / 2) (in millions): a
 chunk deep in a long prompt costs more than the first; and `eager` is 1 for a step that runs eagerly while CUDA graphs
-replay the others (engine/cuda_graphs.py: under `cudagraph_mode="full_decode_only"` every step with prompt tokens,
-under `full` one too large for any bucket), whose kernels are launched one by one from Python: on a GPU that adds
-more time than the tokens do. Without graphs it is always 0 (and so is c4). Fitted by least squares over the steps
-seen, older steps weighing less (`decay` per step), so a change of load or of machine speed is followed within a few
-dozen steps.
+replay the others (engine/cuda_graphs.py: under `cudagraph_mode="full_decode_only"` every step with more tokens
+than sequences, under `full` one too large for any bucket), whose kernels are launched one by one from Python: on a
+GPU that adds more time than the tokens do. Without graphs it is always 0 (and so is c4). Fitted by least squares
+over the steps seen, older steps weighing less (`decay` per step), so a change of load or of machine speed is
+followed within a few dozen steps.
 """
 from __future__ import annotations
 
