@@ -48,6 +48,22 @@ def all_params(eng: LLMEngine) -> list[SamplingParams]:
                        SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True)]
 
 
+def _same_but_the_last_bits(a: dict[str, list[tuple]], b: dict[str, list[tuple]]) -> None:
+    """`streams` outputs equal but for their logprobs, each within one step of its 4-decimal rounding. Blocks are
+    published a step later under async scheduling, so a prompt may be computed again where the plain loop finds it
+    cached; a chunk's attention may then take another kernel than the one that computed the cached KV (SDPA for a
+    chunk of more than 16 tokens, the native kernel otherwise), equal to ~1e-7, which the rounding may show."""
+    def parts(got: dict[str, list[tuple]]) -> tuple[dict, dict]:
+        return ({rid: [o[:4] + o[5:] for o in outs] for rid, outs in got.items()},
+                {rid: [o[4] for o in outs] for rid, outs in got.items()})
+    (rest_a, lps_a), (rest_b, lps_b) = parts(a), parts(b)
+    assert rest_a == rest_b  # tokens, texts, ends, seeds: all equal
+    for rid, steps in lps_a.items():
+        for x, y in zip(steps, lps_b[rid]):
+            assert (x is None) == (y is None) and [t for t, _ in x or []] == [t for t, _ in y or []]
+            assert all(abs(p - q) <= 2e-4 for (_, p), (_, q) in zip(x or [], y or [])), (rid, x, y)
+
+
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_same_streams_as_the_plain_loop(tiny_model_dir, setup, caplog):
     prompts = _prompts()
@@ -69,7 +85,9 @@ def test_same_streams_as_the_plain_loop(tiny_model_dir, setup, caplog):
         ahead.runner.launch = lambda b, s, p=None: (read.append(bool(p)), launched(b, s, p))[1]
     for _ in range(2):  # the second round meets the first's prompts in the prefix cache
         a, b = streams(plain, prompts, ps), streams(ahead, prompts, ps)
-        assert a == b
+        if a != b:  # only where it computed a prompt's tokens the plain loop found cached: then to the last bits
+            assert ahead.stats()["prompt_tokens_computed"] > plain.stats()["prompt_tokens_computed"]
+            _same_but_the_last_bits(a, b)
         assert all(s[-1][2] for s in a.values()) and a["r6"][-1][3] == "stop" and len(a["r6"]) < 30
     assert sum(read) > 20 and "retrying" not in caplog.text  # (a failed forward would be run again, and hide it)
     assert setup != "graphs" or sum(mixed_reads) > 0
