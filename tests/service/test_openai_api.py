@@ -160,7 +160,9 @@ def test_metrics_match_requests(main_server: Server, client: openai.OpenAI, mode
     assert delta("sluice_e2e_request_latency_seconds_count") == n
     assert delta("sluice_time_to_first_token_seconds_count") == n
     assert delta("sluice_queue_time_seconds_count") == n
-    assert delta("sluice_inter_token_latency_seconds_count") == n * (tokens - 1)
+    # one gap per request per loop turn that brought it tokens: steps the loop takes together (a busy loop, a
+    # loaded machine) are one gap, so at most tokens - 1 each, and at least one
+    assert n <= delta("sluice_inter_token_latency_seconds_count") <= n * (tokens - 1)
     assert delta("sluice_num_steps_total") >= tokens
     assert delta("sluice_prefix_cache_queries_total") > 0
     assert after[("sluice_num_running", ())] == 0.0
