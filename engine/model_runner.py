@@ -244,7 +244,7 @@ class ModelRunner:
             dst = torch.from_numpy(np.cumsum(batch.num_new_tokens)[list(placeholders)] - 1).to(self.device)
         starts, new = self._tokens(batch)
         extra = [len(batch.reqs[i].draft) for i in rows]  # each sampled row's draft: its positions are verified too
-        if self._graphed(batch, len(rows) + sum(extra)):
+        if self.graphed(batch, samples):
             buf = self._claim_inputs()
             cu = buf.fill(batch.reqs, starts, new, self.block_size)
             indices = _logits_indices(cu[1:][rows] - 1, extra)
@@ -276,15 +276,10 @@ class ModelRunner:
         return [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs]
 
     def graphed(self, batch: Batch, samples: list[bool]) -> bool:
-        """Does a CUDA graph replay this step (`samples`: `batch.samples()`)?"""
-        rows = [i for i, s in enumerate(samples) if s]
-        return self._graphed(batch, len(rows) + sum(len(batch.reqs[i].draft) for i in rows))
-
-    def _graphed(self, batch: Batch, num_rows: int) -> bool:
-        """Is this a step a graph replays: a bucket holds its tokens and sequences, and has room for its `num_rows`
-        logits rows (one per sequence: drafts' verified positions may not fit)?"""
+        """Is this a step a graph replays (`samples`: `batch.samples()`): a bucket holds its tokens and sequences, and
+        has room for its logits rows (one per sampled sequence and per draft token it verifies: those may not fit)?"""
         key = None if self.graphs is None else self.graphs.bucket(sum(batch.num_new_tokens), len(batch))
-        return key is not None and num_rows <= key[1]
+        return key is not None and sum(1 + len(r.draft) for r, s in zip(batch.reqs, samples) if s) <= key[1]
 
 
 def _logits_indices(last: np.ndarray, drafts: list[int]) -> np.ndarray:

@@ -100,7 +100,6 @@ class Scheduler:
         self.num_preemptions = 0
         # with config.itl_slo_ms or speculation: fed by the engine after every step, sizes prompt chunks, prices drafts
         self.step_cost = StepCost()
-        self.graphs: StepGraphs | None = None  # the runner's CUDA graphs, as the step being scheduled was given them
         self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
         self.pressure = PressureLadder(block_manager.num_blocks)  # `mixed` only: the others stay `normal`
         self.spec = Speculation(config, max_model_len, self.step_cost) if config.speculative else None
@@ -116,10 +115,9 @@ class Scheduler:
         the runner's CUDA graphs, if any: the step-cost model prices a step they do not replay as eager (the prompt
         budget of `itl_slo_ms`, and speculation's drafts)."""
         batch = Batch()
-        self.graphs = graphs
         policy = self.config.scheduling
         if policy == "mixed":
-            budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts)
+            budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts, graphs)
             if self.config.itl_slo_ms is not None:  # the prompt tokens a step can add and still meet the target
                 drafting = [r for r in batch.reqs if r.draft]
                 extra = 0.0
@@ -137,12 +135,12 @@ class Scheduler:
             self._admit(batch, budget, chunked=True)
         elif policy == "prefill_first":
             if not self._admit(batch, self.whole_prompt_budget, chunked=False):
-                self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts)
+                self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts, graphs)
         else:  # static
             if not self.running:
                 self._admit(batch, self.whole_prompt_budget, chunked=False)
             else:
-                self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts)
+                self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts, graphs)
         return batch
 
     def _next_prompt_context(self) -> int:
@@ -154,7 +152,7 @@ class Scheduler:
 
     # -- building blocks -------------------------------------------------------------------
 
-    def _schedule_decodes(self, batch: Batch, budget: int, drafts: bool) -> int:
+    def _schedule_decodes(self, batch: Batch, budget: int, drafts: bool, graphs: StepGraphs | None) -> int:
         first = len(batch)
         for req in list(self.running):
             if budget <= 0 or len(batch) >= self.config.max_num_seqs:
@@ -171,11 +169,11 @@ class Scheduler:
                 self._preempt(req)
         decodes = len(batch) - first
         if (self.spec is not None and drafts and decodes and self.spec.enabled_for(decodes)
-                and self.spec.may_pay(decodes, self.graphs)):
-            budget = self._schedule_drafts(batch, first, budget)
+                and self.spec.may_pay(decodes, graphs)):
+            budget = self._schedule_drafts(batch, first, budget, graphs)
         return budget
 
-    def _schedule_drafts(self, batch: Batch, first: int, budget: int) -> int:
+    def _schedule_drafts(self, batch: Batch, first: int, budget: int, graphs: StepGraphs | None) -> int:
         """Speculative decoding (engine/spec.py): the decodes batch[first:] each add their draft, from the budget and
         the blocks every decode left: a draft never preempts anyone, nor takes a decode's place."""
         proposed = []
@@ -187,7 +185,7 @@ class Scheduler:
             if draft:
                 proposed.append((i, draft))
         allowed = self.spec.allow(len(batch) - first, [len(d) for _, d in proposed],
-                                  self._catchup([batch.reqs[i] for i, _ in proposed]), self.graphs)
+                                  self._catchup([batch.reqs[i] for i, _ in proposed]), graphs)
         for (i, draft), n in zip(proposed, allowed):
             req, draft = batch.reqs[i], draft[:n]
             if draft and len(draft) <= budget and self.bm.allocate(req, 1 + len(draft)):
