@@ -37,8 +37,10 @@ def _compile(cxx: str, flags: tuple[str, ...], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True, text=True)
+        done = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
+        if done.stderr.strip():
+            log.warning("the C++ compiler warned while building %s:\n%s", out.name, done.stderr.strip())
     except BaseException:
         os.unlink(tmp)
         raise

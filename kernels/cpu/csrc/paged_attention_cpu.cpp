@@ -38,11 +38,11 @@ using namespace sluice;
 // Sixteen independent partial sums: vectorizes without reassociating a single float sum.
 inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
   float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
+  const int64_t body = n / 16 * 16;
+  for (int64_t i = 0; i < body; i += 16)
     for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
   float s = 0.0f;
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = body; i < n; ++i) s += a[i] * b[i];
   for (int j = 0; j < 16; ++j) s += acc[j];
   return s;
 }

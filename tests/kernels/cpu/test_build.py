@@ -40,3 +40,10 @@ def test_a_failed_build_reports_the_compiler_error(tmp_path, monkeypatch, caplog
         assert cpu.load(tmp_path) is False
     assert "no/such/header.h" in caplog.text
     assert not list(tmp_path.glob("*.so"))  # nothing half-built is left to be loaded later
+
+
+def test_the_variants_compile_without_warnings(variant_builds):
+    """A compiler warning in kernel code is a bug until shown otherwise (GCC's -Waggressive-loop-optimizations once
+    pointed at the plain loops' `dot`): the builds of the x86 variants, compiled fresh for these tests, print none."""
+    _, warnings = variant_builds
+    assert not warnings, "\n".join(warnings)
