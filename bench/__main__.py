@@ -1,5 +1,5 @@
 """CLI: `python -m bench WORKLOAD... [--quick] [--model DIR]`; WORKLOAD is offline, stall, prefix, serve, flood, replay,
-tiers, restart, evict, kvquant, host, spec or all.
+tiers, restart, evict, kvquant, host, spec, attention or all.
 
 The thread environment is fixed here, before torch is imported, so every system (and the server
 subprocess of `serve`) runs with the same intra-op threads and OpenMP wait policy.
@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOADS = ("offline", "stall", "prefix", "serve", "flood", "replay", "tiers", "restart", "evict", "kvquant", "host", "spec")
+WORKLOADS = ("offline", "stall", "prefix", "serve", "flood", "replay", "tiers", "restart", "evict", "kvquant", "host", "spec",
+             "attention")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -34,7 +34,7 @@ def quick(workloads, model: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def results(tiny_model_dir, tmp_path_factory) -> Path:
-    return quick([*SYSTEMS, "replay", "restart", "kvquant", "spec"], tiny_model_dir, tmp_path_factory.mktemp("bench"))
+    return quick([*SYSTEMS, "replay", "restart", "kvquant", "spec", "attention"], tiny_model_dir, tmp_path_factory.mktemp("bench"))
 
 
 @pytest.mark.parametrize("workload", sorted(SYSTEMS))
@@ -128,6 +128,25 @@ def test_kvquant_reports_accuracy_kernels_and_capacity(results: Path) -> None:
     # the tiny model's head dim is 32: an int8 head is 32 + 4 (scale) bytes against 64 in bf16, 128 in fp32
     assert speed["int8"]["kv_blocks"] >= 1.7 * speed["auto"]["kv_blocks"]
     assert speed["int8"]["throughput_tok_s"] > 0 and speed["auto"]["output_tokens"] == speed["int8"]["output_tokens"]
+
+
+def test_attention_compares_the_builds_this_cpu_has(results: Path) -> None:
+    """Every case through each build (native; without AVX-512 where the CPU has it; the plain loops where it has AVX2)
+    and the twin, each agreeing with the twin; the plain-loop target is n/a only without AVX2."""
+    from bench.common import cpu_flags
+
+    data = json.loads((results / "attention.json").read_text())
+    flags = cpu_flags()
+    systems = ["native", *(["no-avx512"] if "avx512f" in flags else []), *(["plain"] if "avx2" in flags else []), "twin"]
+    assert data["config"]["systems"] == systems
+    rows = data["rows"]
+    assert len(rows) == len(data["config"]["dtypes"]) * len(data["config"]["head_dims"]) * len(data["config"]["batches"])
+    for r in rows:
+        assert all(r[f"{s}_ms"] > 0 for s in systems), r
+        assert r["max_abs_vs_twin"] < (0.05 if r["dtype"] == "bfloat16" else 1e-4), r
+        assert r["native_vs_twin"] == pytest.approx(r["native_ms"] / r["twin_ms"], rel=0.01)
+    plain = data["targets"][0]
+    assert (plain["value"] is None) == ("avx2" not in flags) and data["targets"][1]["value"] > 0
 
 
 def test_host_reports_each_phase_and_the_baselines(tiny_model_dir, tmp_path) -> None:
