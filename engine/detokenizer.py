@@ -108,3 +108,78 @@ def _stream(backend, context: list[int]):
         return DecodeStream(ids=context, skip_special_tokens=True)
     except TypeError:  # tokenizers 0.21's cannot be primed: decoded in Python
         return None
+
+
+class TokenText:
+    """One token alone, for logprobs: its own bytes (`bytes`, which may end or start mid-character: a character
+    split over tokens is the concatenation of their bytes, as OpenAI's `bytes` field promises) and a name (`name`: its
+    text, with any bytes that are not whole UTF-8 characters written `\\xNN`). Decoding the token alone instead gives
+    U+FFFD for every such piece, so different tokens would look the same.
+
+    Read from the fast tokenizer's vocabulary: byte-level pieces (GPT-2's alphabet: Llama 3, Qwen, this project's
+    tokenizers) map back to bytes, SentencePiece-style byte fallback pieces (`<0xE2>`) are that byte and `▁` a space;
+    added tokens (the special ones) are their content. Anything else falls back to decoding the token alone."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "_tokenizer", None)
+        kinds = _decoder_kinds(backend.decoder.__getstate__()) if backend is not None and backend.decoder else set()
+        self.byte_level = "ByteLevel" in kinds
+        self.byte_fallback = "ByteFallback" in kinds
+        self.metaspace = bool(kinds & {"Metaspace", "Replace"})
+        self.added = {i for i in getattr(tokenizer, "added_tokens_decoder", {})}
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes(self, token_id: int) -> bytes:
+        b = self._bytes.get(token_id)
+        if b is None:
+            b = self._bytes[token_id] = self._read(token_id)
+        return b
+
+    def name(self, token_id: int) -> str:
+        return self.bytes(token_id).decode("utf-8", "backslashreplace")
+
+    def _read(self, token_id: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) if token_id not in self.added else None
+        if piece is not None:
+            if self.byte_level and all(c in _BYTE_OF for c in piece):
+                return bytes(_BYTE_OF[c] for c in piece)
+            if self.byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            if self.metaspace:
+                return piece.replace("\u2581", " ").encode()
+        return self.tokenizer.decode([token_id]).encode()
+
+
+def _decoder_kinds(state: bytes | str) -> set[str]:
+    """The `type`s of a tokenizers decoder (its JSON state), those inside a `Sequence` included."""
+    import json
+
+    found: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("type"), str):
+                found.add(node["type"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(json.loads(state))
+    return found
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the byte each character of a byte-level piece stands for. Printable
+    Latin-1 bytes stand for themselves; the other 68 are written as the characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(rest)}}
+
+
+_BYTE_OF = _byte_alphabet()

@@ -24,7 +24,7 @@ from engine import loader
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_dir, kernel_cache_dir, sluice_home
 from engine.cuda_graphs import graph_sizes
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, TokenText
 from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
 from engine.models import LlamaModel
@@ -117,6 +117,7 @@ class LLMEngine:
         self.max_model_len = layout.max_model_len
         self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len)
         self.tokenizer = self.processor.tokenizer
+        self.token_text = TokenText(self.tokenizer)  # logprobs' token names and bytes
         self.eos_token_ids = loader.eos_token_ids(model_dir, self.tokenizer)
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching,
                                           layout.num_host_blocks, config.kv_eviction)

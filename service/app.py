@@ -89,6 +89,7 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = N
         Route("/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/completions", openai_api.completions, methods=["POST"]),
         Route("/models", openai_api.models, methods=["GET"]),
+        Route("/models/{model:path}", openai_api.model, methods=["GET"]),
     ])
     routes: list[Any] = [Route("/health", health), Route("/metrics", metrics), api]
     web = web_dir()

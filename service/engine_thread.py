@@ -343,7 +343,8 @@ class EngineThread(EngineHost):
 def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:
     lps = None
     if o.logprobs:  # present only when the request asked for them
-        dec = engine.tokenizer.decode
-        lps = [(dec([lp.token_id]), lp.logprob, [(dec([t]), v) for t, v in lp.top]) for lp in o.logprobs]
+        tt = engine.token_text
+        lps = [(tt.name(lp.token_id), tt.bytes(lp.token_id), lp.logprob, [(tt.name(t), tt.bytes(t), v) for t, v in lp.top])
+               for lp in o.logprobs]
     return Delivery(o.request_id, o.new_token_ids, o.text_delta, o.finish_reason if o.finished else None,
                     o.num_prompt_tokens, o.num_cached_tokens, lps, o.rng_state)

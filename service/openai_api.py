@@ -36,10 +36,13 @@ def _error(e: HTTPError) -> Response:
 
 
 def _from_request_error(e: RequestError, prompt_param: str | None = None) -> HTTPError:
-    """`prompt_param`: the body field a too-long prompt is named by, as OpenAI does ("messages" or "prompt")."""
+    """`prompt_param`: the body field a too-long prompt is named by, as OpenAI does ("messages" or "prompt"); also
+    the field at fault for a request the engine refused without naming one (an empty prompt, token ids outside the
+    vocabulary, messages the chat template refuses: its sampling values it names)."""
     if e.code == "prompt_too_long":
         return HTTPError(400, e.message, param=e.param or prompt_param, code="context_length_exceeded")
-    return HTTPError(_STATUS.get(e.code, 500), e.message, param=e.param, code=e.code)
+    param = e.param or (prompt_param if e.code == "invalid_message" else None)
+    return HTTPError(_STATUS.get(e.code, 500), e.message, param=param, code=e.code)
 
 
 def _prompt_param(body: CommonRequest) -> str:
@@ -86,9 +89,12 @@ def _check_common(svc: Service, body: CommonRequest) -> None:
     if body.model != svc.model_name:
         raise HTTPError(404, f"The model `{body.model}` does not exist; this server serves `{svc.model_name}`.",
                         param="model", code="model_not_found")
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise HTTPError(400, "only n=1 is supported; send n separate requests instead", param="n",
                         code="unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise HTTPError(400, "stream_options is only allowed when stream is true", param="stream_options",
+                        code="invalid_message")
     refuse_unsupported(body)
     if not svc.accepting:
         raise HTTPError(503, "the server is starting or shutting down; retry shortly")
@@ -131,11 +137,23 @@ async def completions(request: Request) -> Response:
         return _error(e)
 
 
+def _card(svc: Service) -> dict[str, Any]:
+    return {"id": svc.model_name, "object": "model", "created": svc.started_at, "owned_by": "sluice",
+            "max_model_len": svc.bridge.max_model_len}
+
+
 async def models(request: Request) -> Response:
     svc: Service = request.app.state.service
-    card = {"id": svc.model_name, "object": "model", "created": svc.started_at, "owned_by": "sluice",
-            "max_model_len": svc.bridge.max_model_len}
-    return Response(msgspec.json.encode({"object": "list", "data": [card]}), media_type="application/json")
+    return Response(msgspec.json.encode({"object": "list", "data": [_card(svc)]}), media_type="application/json")
+
+
+async def model(request: Request) -> Response:
+    """`GET /v1/models/{model}`: OpenAI's "retrieve model"."""
+    svc: Service = request.app.state.service
+    if request.path_params["model"] != svc.model_name:
+        return _error(HTTPError(404, f"The model `{request.path_params['model']}` does not exist; this server serves "
+                                     f"`{svc.model_name}`.", param="model", code="model_not_found"))
+    return Response(msgspec.json.encode(_card(svc)), media_type="application/json")
 
 
 async def _wait_for(receive: Receive, handle: RequestHandle, event: asyncio.Event,

@@ -4,6 +4,7 @@ Pure functions of a finished (or streaming) `RequestHandle`: no I/O, so the shap
 """
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from typing import Any, Protocol
@@ -54,11 +55,11 @@ class ChatRender(_Base):
 
     @staticmethod
     def _lp(lps: list[TokenLogprobs]) -> dict[str, Any]:
-        def entry(tok: str, lp: float) -> dict[str, Any]:
-            return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+        def entry(tok: str, raw: bytes, lp: float) -> dict[str, Any]:
+            return {"token": tok, "logprob": lp, "bytes": list(raw)}
 
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(tt, tl) for tt, tl in top]}
-                            for t, lp, top in lps], "refusal": None}
+        return {"content": [{**entry(t, b, lp), "top_logprobs": [entry(*alt) for alt in top]}
+                            for t, b, lp, top in lps], "refusal": None}
 
     def response(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
@@ -91,14 +92,33 @@ class CompletionRender(_Base):
     def __init__(self, model: str, logprobs: bool) -> None:
         super().__init__(model, logprobs)
         self.offset = 0  # text_offset of the next token, across stream chunks
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # the text the tokens' bytes have made so far
 
     def _lp(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
-        offsets = []
-        for tok, _, _ in lps:
-            offsets.append(self.offset)
-            self.offset += len(tok)
-        return {"tokens": [t for t, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
-                "top_logprobs": [dict(top) for _, _, top in lps], "text_offset": offsets}
+        """`text_offset`: where in the text each token's bytes begin; a token that continues a character split
+        over tokens points at that character, whose text its last piece completes."""
+        offsets, tops = [], []
+        for _, raw, _, top in lps:
+            offsets.append(self.offset + self._pending_chars(raw))
+            self.offset += len(self.utf8.decode(raw))
+            alts: dict[str, float] = {}
+            for name, _, lp in top:  # (names rarely repeat; the likelier entry is kept)
+                alts.setdefault(name, lp)
+            tops.append(alts)
+        return {"tokens": [t for t, _, _, _ in lps], "token_logprobs": [lp for _, _, lp, _ in lps],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def _pending_chars(self, raw: bytes) -> int:
+        """The characters that bytes held back from earlier tokens (the start of a character) become before this
+        token's bytes: none if its first byte continues that character, else one U+FFFD, as the text shows it."""
+        pending = self.utf8.getstate()[0]
+        if not pending or not raw:
+            return 0
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(pending + raw[:1])
+        except UnicodeDecodeError:
+            return 1
+        return 0
 
     def response(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()

@@ -35,8 +35,8 @@ class CommonRequest(Struct):
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None  # (null: the default, 1)
+    stream: bool | None = None
     stream_options: _StreamOptions | None = None
     stop: StopString | StopStrings | None = None  # one string, or a list as on the WebSocket
     seed: Seed | None = None
@@ -47,26 +47,43 @@ class CommonRequest(Struct):
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = None
-    # not implemented, and each would change the output: refused by `_refuse_unsupported`, never ignored
+    stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=1024)] | None = None
+    # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
     logit_bias: Any = None
     response_format: Any = None
-    guided_json: Any = None  # vLLM's guided decoding
+    # vLLM's extensions (its sampling and structured-output parameters)
+    guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    structured_outputs: Any = None
+    structural_tag: Any = None
+    min_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    skip_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The sampling fields the client set (`SamplingParams` keyword arguments), max_tokens excluded."""
         kwargs = {n: getattr(self, n) for n in SAMPLING_FIELDS if getattr(self, n) is not None}
         if isinstance(self.stop, str):
             kwargs["stop"] = [self.stop]
+        if self.stop_token_ids:
+            kwargs["stop_token_ids"] = self.stop_token_ids
         return kwargs
 
 
 class ChatCompletionRequest(CommonRequest):
     messages: Annotated[list[_Message], Meta(min_length=1)] = []
     max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     tools: Any = None  # not implemented, see CommonRequest
     tool_choice: Any = None
@@ -74,12 +91,18 @@ class ChatCompletionRequest(CommonRequest):
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
+    echo: Any = None  # vLLM's chat extensions
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
 
 
 class CompletionRequest(CommonRequest):
     prompt: str | list[Any] = ""
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -101,6 +124,24 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((False,), "the prompt is not echoed"),
     "suffix": ((), "no text insertion"),
     "best_of": ((1,), "one completion per request"),
+    "structured_outputs": ((), "no structured output"),
+    "structural_tag": ((), "no structured output"),
+    "min_tokens": ((0,), "no minimum length"),
+    "include_stop_str_in_output": ((False,), "a matched stop string is never in the output"),
+    "allowed_token_ids": ((), "no restriction of the vocabulary"),
+    "bad_words": (([],), "no banned words"),
+    "use_beam_search": ((False,), "no beam search"),
+    "length_penalty": ((1, 1.0), "no beam search"),
+    "skip_special_tokens": ((True,), "special tokens are never in the text"),
+    "truncate_prompt_tokens": ((), "prompts are never truncated"),
+    "prompt_logprobs": ((), "no prompt logprobs"),
+    "logits_processors": (([],), "no custom logits processors"),
+    "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text"),
+    "add_generation_prompt": ((True,), "the chat template always adds the assistant's turn"),
+    "continue_final_message": ((False,), "the chat template always adds the assistant's turn"),
+    "chat_template": ((), "the model's own chat template only"),
+    "chat_template_kwargs": (({},), "the model's own chat template only"),
+    "documents": (([],), "the model's own chat template only"),
 }
 
 

@@ -30,7 +30,10 @@ def model(client: openai.OpenAI) -> str:
 def test_models(client: openai.OpenAI, model: str) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [model] and models[0].object == "model"
-    assert client.models.retrieve  # the package's surface, unused: we do not serve /v1/models/{id}
+    assert client.models.retrieve(model) == models[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-nope")
+    assert e.value.code == "model_not_found"
 
 
 def test_chat_stream_equals_non_stream(client: openai.OpenAI, model: str) -> None:
@@ -58,6 +61,64 @@ def test_chat_logprobs_and_max_completion_tokens(client: openai.OpenAI, model: s
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0.0
         assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-4  # greedy takes the best
+
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # the tiny tokenizer's: in logprobs, never in text
+
+
+def test_logprob_bytes_join_to_the_text(client: openai.OpenAI, model: str) -> None:
+    """The tiny model's text at temperature 1.5 is random bytes: characters split over tokens. Each token's `bytes`
+    are its own, so they join to the text's (OpenAI's promise), and its name writes split bytes as `\\xNN`, so
+    different tokens are told apart; completions' `text_offset`s point into the text."""
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=300, temperature=1.5, seed=1,
+                                       logprobs=True, top_logprobs=5)
+    content = r.choices[0].logprobs.content
+    text = r.choices[0].message.content
+    # (random bytes are not always UTF-8: the text writes what is not as U+FFFD, the bytes are the tokens')
+    assert b"".join(bytes(e.bytes) for e in content if e.token not in SPECIALS).decode("utf-8", "replace") == text
+    assert any(e.token.startswith("\\x") for e in content), "no character split over tokens: pick another seed"
+    for e in content:
+        assert len({t.token for t in e.top_logprobs}) == 5
+    c = client.completions.create(model=model, prompt="Once upon a time", max_tokens=200, temperature=1.5, seed=0,
+                                  logprobs=5)
+    lp, text = c.choices[0].logprobs, c.choices[0].text
+    assert all(len(top) == 5 for top in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    for tok, offset in zip(lp.tokens, lp.text_offset):
+        if "\\x" not in tok and tok not in SPECIALS:  # a whole token is where its offset says
+            assert text[offset : offset + len(tok)] == tok, (tok, offset)
+
+
+def test_null_means_the_default_and_vllm_extensions(main_server: Server, client: openai.OpenAI, model: str) -> None:
+    """OpenAI's nullable fields take null as leaving them out; vLLM's `stop_token_ids` works; its other parameters
+    that would change the output are refused, not ignored (the values that change nothing pass)."""
+    chat = {"model": model, "messages": MESSAGES, "max_tokens": 4}
+    with httpx.Client(base_url=main_server.url, timeout=60) as http:
+        for route, body in (("/v1/chat/completions", {**chat, "n": None, "stream": None, "logprobs": None}),
+                            ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4, "n": None,
+                                                 "stream": None, "echo": None, "logprobs": None})):
+            r = http.post(route, json=body)
+            assert r.status_code == 200, r.text
+        for name, value in (("min_tokens", 5), ("structured_outputs", {"json": {"type": "object"}}),
+                            ("include_stop_str_in_output", True), ("allowed_token_ids", [5]), ("bad_words", ["o"]),
+                            ("use_beam_search", True), ("prompt_logprobs", 1), ("chat_template", "{{ x }}")):
+            r = http.post("/v1/chat/completions", json={**chat, name: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+            assert r.json()["error"]["code"] == "unsupported_parameter"
+        r = http.post("/v1/chat/completions", json={**chat, "min_tokens": 0, "use_beam_search": False,
+                                                    "skip_special_tokens": True, "bad_words": []})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", json={**chat, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+        r = http.post("/v1/completions", json={"model": model, "prompt": [], "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    every = list(range(1024))  # every id of the tiny vocabulary
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0.0,
+                                       extra_body={"ignore_eos": True, "stop_token_ids": every})
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
 
 
 def test_completions_stream_equals_non_stream(client: openai.OpenAI, model: str) -> None:
