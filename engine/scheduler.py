@@ -214,17 +214,23 @@ class Scheduler:
 
     def _admit(self, batch: Batch, budget: int, chunked: bool) -> int:
         """Admits waiting requests first-come-first-served; returns how many were admitted."""
-        cfg, admitted = self.config, 0
-        partial = sum(1 for r in batch.reqs if r.is_prefilling)
+        cfg, admitted, bs = self.config, 0, self.bm.block_size
+        # prompts this step leaves mid-prefill: at most max_num_partial_prefills; one it finishes does not count
+        partial = sum(1 for r, n in zip(batch.reqs, batch.num_new_tokens) if r.num_computed_tokens + n < r.num_tokens)
+        # the full prompt blocks this step computes, by hash: cached once it ran (docs/architecture.md §4)
+        computing = {h for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling
+                     for h in r.block_hashes[r.num_computed_tokens // bs : (r.num_computed_tokens + n) // bs]}
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(batch) < cfg.max_num_seqs:
             req = self.waiting.first()
             if req.num_placeholders:
                 break  # preempted while its token was being sampled (async scheduling): back once it is known
             cached = self.bm.match_prefix(req)
-            remaining = req.num_tokens - len(cached) * self.bm.block_size
-            if chunked and remaining > 1 and partial >= cfg.max_num_partial_prefills:
-                break
+            if chunked and len(cached) < len(req.block_hashes) and req.block_hashes[len(cached)] in computing:
+                break  # its next block is another prompt's in this step: it waits a step and finds it cached
+            remaining = req.num_tokens - len(cached) * bs
             n = min(remaining, budget, cfg.chunk_limit) if chunked else remaining
+            if chunked and n < remaining and partial >= cfg.max_num_partial_prefills:
+                break  # (first come, first served: no later prompt goes ahead of it)
             if n > budget:
                 break  # an unchunked prompt waits for a step of its own
             if not self._may_admit(req):
@@ -238,7 +244,8 @@ class Scheduler:
             batch.admitted.append(req)
             budget -= n
             admitted += 1
-            partial += remaining > 1
+            partial += n < remaining
+            computing.update(req.block_hashes[len(cached) : (len(cached) * bs + n) // bs])
         return admitted
 
     def _may_admit(self, req: Request) -> bool:

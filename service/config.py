@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the KV cache of shared prompt prefixes (default: on)")
     e.add_argument("--long-prefill-token-threshold", type=int, help="largest prefill chunk of one prompt")
-    e.add_argument("--max-num-partial-prefills", type=int, help="most prompts a step prefills (the cap counts whole prompts too)")
+    e.add_argument("--max-num-partial-prefills", type=int, help="most prompts left mid-prefill at once (chunked over steps); prompts a step finishes do not count")
     e.add_argument("--itl-slo-ms", type=float, metavar="MS",
                    help="mixed scheduling: size each step's prompt chunks to keep running streams' inter-token "
                         "latency under MS, from a cost model of the steps run (default: off, the fixed budget)")

@@ -21,7 +21,8 @@ SETUPS = {
     "prefill_first": {"scheduling": "prefill_first"},
     "static": {"scheduling": "static", "max_num_seqs": 3},
     "chunked-preempting": {"max_num_batched_tokens": 32, "num_kv_blocks": 24, "block_size": 8},
-    "graphs": {},  # the steps through the CUDA graphs' buffers (run eagerly on a CPU), decode and mixed
+    "graphs": {"max_num_batched_tokens": 48},  # through the CUDA graphs' buffers (run eagerly on a CPU), decode and mixed
+    # (a budget that chunks the prompts, so steps mix them with decodes)
     "host-tier": {"num_kv_blocks": 32, "block_size": 8, "kv_offload_gb": 0.01, "max_num_batched_tokens": 64},
 }
 

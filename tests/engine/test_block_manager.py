@@ -408,7 +408,7 @@ def test_random_traffic_keeps_the_pool_consistent(
         assert rec.num_tokens <= step_budget and len(rec.entries) <= max_num_seqs
         assert all(n >= 1 for _, n, _ in rec.entries)
         if policy == "mixed":
-            assert sum(rec.prefilling) <= partial
+            assert sum(rec.partial) <= partial
         if not any(rec.admitted):
             assert rec.num_tokens <= budget
         check()

@@ -164,7 +164,8 @@ def test_graphed_steps_match_the_plain_path(tiny_model_dir, setup, mixed):
 def test_padding_past_a_block_and_chunks_that_sample_nothing(tiny_model_dir):
     """Blocks of 4 tokens and a budget of 48: the padding sequence spans several blocks (all block 0), prompts are
     cut into chunks that sample nothing, beside decodes; logprobs of every row as the plain path's."""
-    prompts = [list(range(30, 30 + n)) for n in (40, 18, 3, 50)]  # steps of 48, 48, then 3 decodes + 16
+    # steps of 48, 48, then 3 decodes + 16 (prompts that share no block: one that did would wait for the other's)
+    prompts = [list(range(s, s + n)) for s, n in ((30, 40), (200, 18), (400, 3), (600, 50))]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2) for m in (5, 9, 12, 3)]
     config = EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=96,
                           max_num_batched_tokens=48, max_num_seqs=4)

@@ -19,6 +19,7 @@ class StepRecord:
     entries: list[tuple[Request, int, bool]]  # (request, new tokens, sampled)
     prefilling: list[bool]  # per entry: more than one token lacked KV before the step
     admitted: list[bool]  # per entry: admitted from the waiting queue by this step
+    partial: list[bool]  # per entry: a prompt this step leaves mid-prefill (a chunk, more to come)
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +42,8 @@ def fake_step(sched: Scheduler, max_model_len: int, token=lambda req: 7) -> Step
     batch = sched.schedule()
     samples = batch.samples()  # NOTE: before postprocess, which advances num_computed_tokens
     rec = StepRecord(list(zip(batch.reqs, batch.num_new_tokens, samples)), [r.is_prefilling for r in batch.reqs],
-                     [id(r) not in running_before for r in batch.reqs])
+                     [id(r) not in running_before for r in batch.reqs],
+                     [r.num_computed_tokens + n < r.num_tokens for r, n in zip(batch.reqs, batch.num_new_tokens)])
     sched.postprocess(batch)
     for req, sampled in zip(batch.reqs, samples):
         if sampled:
@@ -201,15 +203,45 @@ def test_partial_prefill_cap(cap):
 
     def check(rec: StepRecord) -> None:
         nonlocal peak
-        in_batch = sum(rec.prefilling)
+        left = sum(rec.partial)
         mid = sum(1 for r in sched.running if r.num_computed_tokens < r.num_prompt_tokens)
-        assert in_batch <= cap and mid <= cap, f"{in_batch} prefilling in the step, {mid} mid-prefill"
+        assert left <= cap and mid <= cap, f"{left} left mid-prefill by the step, {mid} mid-prefill"
         assert all(n <= 16 for _, n, _ in rec.entries)
-        peak = max(peak, in_batch)
+        peak = max(peak, left)
 
     run_until_done(sched, max_len, check=check)
     assert peak == cap  # the budget (96 = 6 x 16) would allow more: the cap is what holds it
     assert all(r.num_output_tokens == 3 for r in reqs)
+
+
+def test_prompts_a_step_finishes_are_not_held_by_the_partial_cap():
+    """The cap bounds prompts left mid-prefill, not prompts per step: a burst of short prompts is admitted in one
+    step (the budget permitting), not `max_num_partial_prefills` a step. (It was 4 a step: 64 steps to start 256
+    chats.)"""
+    sched = make(max_model_len=256, scheduling="mixed", max_num_batched_tokens=2048, max_num_seqs=256,
+                 long_prefill_token_threshold=8, max_num_partial_prefills=4)
+    reqs = [req(8, 3) for _ in range(100)] + [req(100, 3) for _ in range(8)]
+    for r in reqs:
+        sched.add(r)
+    rec = fake_step(sched, 256)
+    assert sum(rec.admitted) == 100 + 4 and sum(rec.partial) == 4  # 100 whole prompts, then four chunks of 8
+    assert rec.num_tokens == 104 * 8 and all(rec.sampled(r) for r in reqs[:100])
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once():
+    """Prompts that arrive together with a shared prefix (a system prompt): the first computes it; the others, whose
+    next block that step computes, wait one step and find it cached, instead of each computing it beside it."""
+    sched = make(max_model_len=512, scheduling="mixed", max_num_batched_tokens=2048, max_num_seqs=64)
+    shared = list(range(1000, 1064))  # four full blocks
+    reqs = [Request(f"s{i}", shared + [2000 + i, 3000 + i], SamplingParams(max_tokens=2), 2) for i in range(8)]
+    other = req(40, 2)  # behind them: first come, first served
+    for r in [*reqs, other]:
+        sched.add(r)
+    rec = fake_step(sched, 512)
+    assert rec.reqs == [reqs[0]] and rec.num_tokens == 66
+    rec = fake_step(sched, 512)
+    assert rec.reqs == [reqs[0], *reqs[1:], other]
+    assert all(r.num_cached_tokens == 64 and rec.n_of(r) == 2 for r in reqs[1:]) and rec.n_of(other) == 40
 
 
 # -- fairness: a short prompt behind a 10k-token prompt ----------------------------------
