@@ -29,6 +29,9 @@ class InvalidSamplingParam(ValueError):
         self.param = param
 
 
+SAMPLING_EPS = 1e-5  # a temperature below it samples greedily
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: all the context the prompt leaves
@@ -65,6 +68,8 @@ class SamplingParams:
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.top_k == -1:
             self.top_k = 0
+        if self.temperature < SAMPLING_EPS:  # (as vLLM) dividing by it would overflow the logits: greedy is its limit
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:

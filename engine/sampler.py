@@ -47,7 +47,8 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
                                                                    torch.tensor([len(p) for p in prompts], device=dev))
         seen = torch.cat([out_keys, prompt_keys])  # NOTE: a key seen twice is written twice, with the same value
         rep, x = per_row("repetition_penalty")[row_of(seen)], flat_logits[seen]
-        flat_logits[seen] = torch.where(x > 0, x / rep, x * rep)
+        # (clamped: a penalty near 0 divides a logit past the dtype's range, and inf logits make the softmax NaN)
+        flat_logits[seen] = torch.where(x > 0, x / rep, x * rep).clamp_(max=torch.finfo(dt).max)
     if len(out_keys) and any(r.params.presence_penalty or r.params.frequency_penalty for r in sub):
         keys, counts = torch.unique(out_keys, return_counts=True)
         row = row_of(keys)

@@ -40,3 +40,6 @@ def test_defaults_and_normalisations() -> None:
     assert SamplingParams(stop="END").stop == ["END"]
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(temperature=0.0).greedy and SamplingParams(top_k=1).greedy
+    # a temperature too small to divide by (1e-38 is a float32 denormal) samples greedily, as vLLM's below 1e-5
+    assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=1e-300).temperature == 0.0
+    assert not SamplingParams(temperature=1e-5).greedy

@@ -194,6 +194,25 @@ def test_batched_penalties_equal_the_per_row_formula_bit_for_bit():
     assert not torch.equal(logits, 5 * torch.randn(len(reqs), V, generator=torch.Generator().manual_seed(0)))
 
 
+def test_a_tiny_repetition_penalty_keeps_the_logits_finite(eng):
+    """A penalty near 0 divides a seen token's positive logit past float32's range; inf logits would make the
+    softmax NaN (and the draws garbage). Clamped, the seen tokens win, as a strong penalty below 1 means."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    apply_penalties(logits, [_req([0], [3], repetition_penalty=1e-300)])
+    assert torch.isfinite(logits).all() and logits[0, 0] == logits[0, 3] == torch.finfo(torch.float32).max
+    prompt = [5, 6, 7, 8, 9, 10]
+    got = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0.7, seed=3, repetition_penalty=1e-300,
+                                                ignore_eos=True))[0].token_ids
+    assert set(got) <= set(prompt) | {got[0]}  # every token after the first repeats one already seen
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(eng):
+    prompt = [5, 6, 7, 8, 9, 10]
+    greedy = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    for t in (1e-38, 1e-45):
+        assert eng.generate([prompt], SamplingParams(max_tokens=12, temperature=t, ignore_eos=True))[0].token_ids == greedy
+
+
 def test_presence_and_frequency_ignore_the_prompt():
     logits = torch.zeros(1, 6)
     apply_penalties(logits, [_req([1, 2, 3], [], presence_penalty=1.0, frequency_penalty=1.0)])
