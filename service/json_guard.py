@@ -66,6 +66,7 @@ def surrogate_error(data: str | bytes) -> str | None:
     return None
 
 
-def without_unpaired_surrogates(data: str | bytes) -> bytes:
-    """`data` with each unpaired surrogate escape replaced by `\\ufffd`, to read the rest of a refused document."""
-    return _SURROGATES.sub(lambda m: m.group("pre") + b"\\ufffd" if m.group("lone") else m.group(0), _bytes(data))
+def without_unpaired_surrogates(data: str | bytes, replacement: bytes = b"\\ufffd") -> bytes:
+    """`data` with each unpaired surrogate escape replaced by `replacement` (an escape of a valid character), to read
+    the rest of a refused document."""
+    return _SURROGATES.sub(lambda m: m.group("pre") + replacement if m.group("lone") else m.group(0), _bytes(data))

@@ -187,8 +187,11 @@ def decode_client(frame: str | bytes) -> ClientMessage | Error:
                      id=_chat_id_of(frame))
     except msgspec.DecodeError as e:
         if (surrogate := json_guard.surrogate_error(frame)) is not None:
+            # the id, unless it holds a surrogate itself: then it reads differently with another stand-in for it
+            one, other = (_chat_id_of(json_guard.without_unpaired_surrogates(frame, stand_in))
+                          for stand_in in (b"\\ufffd", b"\\ufffe"))
             return Error(code="invalid_message", message=f"frame does not match the protocol: {surrogate}",
-                         id=_chat_id_of(json_guard.without_unpaired_surrogates(frame)))
+                         id=one if one == other else None)
         return Error(code="invalid_json", message=f"frame is not valid JSON: {e}")
 
 

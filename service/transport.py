@@ -16,6 +16,7 @@ from http import HTTPStatus
 from typing import Any, ClassVar, Literal
 
 import h11
+from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # (uvicorn imports it so too)
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.utils import get_client_addr
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -77,6 +78,12 @@ class HttpGuard:
         return Bound
 
 
+def _head_bytes(request: h11.Request) -> int:
+    """About the bytes of a request head as sent: the request line and each `name: value` line."""
+    return (len(request.method) + len(request.target) + 11
+            + sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items()))
+
+
 def _raw_response(status: int, message: str, code: str, type_: str | None = None) -> bytes:
     """A whole `connection: close` response in OpenAI's error shape, written past h11 (which has no request
     to answer before a head is whole)."""
@@ -94,6 +101,19 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._phase: Phase | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        # h11 bounds a head only while it is still arriving (its incomplete-event buffer): one that comes whole in a
+        # single read of up to 64 KB would pass. Checked here on every head, whole: uvicorn answers 400 and closes.
+        limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # (uvicorn's rule)
+        next_event = self.conn.next_event
+
+        def bounded_next_event() -> Any:
+            event = next_event()
+            if isinstance(event, h11.Request) and _head_bytes(event) > limit:
+                log.info("%s: a request head of %d bytes, over %d: 400", self._peer, _head_bytes(event), limit)
+                raise h11.RemoteProtocolError(f"request head over {limit} bytes")
+            return event
+
+        self.conn.next_event = bounded_next_event  # type: ignore[method-assign]
         self._done = False  # upgraded, refused or closed by the guard: nothing more to follow
 
     @property

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.ws")
 
 CONTROL_HIGH_WATER = 256  # queued control replies before the connection stops reading
+CONTROL_HIGH_WATER_BYTES = 4 << 20  # or queued pong data (each up to a frame's size: 256 of them could be 256 MB)
 FINISH_REASON: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "cancelled"}  # engine -> ws
 
 
@@ -49,12 +50,13 @@ class Session:
         self.chats: dict[str, _Chat] = {}  # in flight: until its done/error frame is taken
         self.close_code: int | None = None  # set: send what is pending, then close with this code
         self._control: deque[ServerMessage] = deque()
+        self._control_bytes = 0  # of the pongs' data in `_control`
         self._dirty: dict[str, _Chat] = {}  # insertion-ordered set of chats with output to send
 
     @property
     def backlogged(self) -> bool:
-        """Too many control replies unsent: stop reading until the writer catches up."""
-        return len(self._control) >= CONTROL_HIGH_WATER
+        """Too many control replies unsent, or too many bytes of them: stop reading until the writer catches up."""
+        return len(self._control) >= CONTROL_HIGH_WATER or self._control_bytes >= CONTROL_HIGH_WATER_BYTES
 
     def close(self, code: int) -> None:
         """Send what is pending, then close with `code`; frames received meanwhile are ignored."""
@@ -80,6 +82,7 @@ class Session:
                 else:
                     self.svc.bridge.abort(chat.handle)
             case Ping(data=data):
+                self._control_bytes += len(data)
                 self.send(Pong(data=data))
             case StatsRequest():
                 self.send(self.stats())
@@ -139,6 +142,7 @@ class Session:
         if self._control:
             frames = list(self._control)
             self._control.clear()
+            self._control_bytes = 0
             return frames
         while self._dirty:
             chat = self._dirty.pop(next(iter(self._dirty)))

@@ -277,6 +277,26 @@ async def test_query_strings_stay_out_of_the_log(guarded: Server) -> None:
     assert "/v1/models?<redacted>" in log and "/v1/ws?<redacted>" in log, log
 
 
+@pytest.mark.parametrize("writes", [1, 2])
+async def test_a_head_over_16_kib_is_refused_however_it_arrives(guarded: Server, writes: int) -> None:
+    """§8: 400 and closed. In one write (one read of the server's) h11 alone would take a 60 KB head whole; in two,
+    its buffer bound catches it. A head just under the bound, and the same request, are answered."""
+    def head(size: int) -> bytes:
+        return b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * size + b"\r\n\r\n"
+
+    big = head(60_000)
+    reader, writer = await _raw(guarded, big[: len(big) // writes])
+    if writes == 2:
+        writer.write(big[len(big) // writes :])
+        await writer.drain()
+    answer, _ = await read_until_closed(reader, MARGIN)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    writer.close()
+    reader, writer = await _raw(guarded, head(16_000))
+    assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200 ")
+    await _hang_up(reader, writer)
+
+
 async def test_origin_allow_list_guards_http_too(guarded: Server) -> None:
     body = json.dumps({"model": "sluice-tiny-v1", "prompt": "hi", "max_tokens": 1})
     plain = {"content-type": "text/plain"}  # a "simple" cross-site request: browsers send it without preflight

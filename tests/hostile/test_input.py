@@ -122,6 +122,9 @@ def test_refused_chat_frames_carry_their_id() -> None:
                             f'"{field}": 1e999}}')
         assert isinstance(err, Error) and (err.code, err.id) == ("invalid_message", "n"), err  # was id None
         assert field in err.message
+    for bad in ('\\ud800', 'ab\\udc00'):  # an id holding one is not well-formed: no id, not one it never sent
+        err = decode_client('{"type": "chat", "id": "' + bad + '", "messages": [{"role": "user", "content": "x"}]}')
+        assert isinstance(err, Error) and (err.code, err.id) == ("invalid_message", None), err
     paired = decode_client('{"type": "chat", "id": "p", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
     assert isinstance(paired, Chat) and paired.messages[0].content == "\U0001f600"
 

@@ -91,12 +91,19 @@ def test_frame_errors_and_limits() -> None:
     assert codes == [("duplicate_id", None), ("too_many_inflight", "b"), ("invalid_message", None)]
 
 
-def test_backlog_is_bounded_and_a_wrong_hello_closes() -> None:
+def test_backlog_is_bounded_in_replies_and_bytes_and_a_wrong_hello_closes() -> None:
     session, _ = _session(api_key="k")
     for _ in range(CONTROL_HIGH_WATER):
         session.receive(StatsRequest())
     assert session.backlogged
     assert len(session.next_frames()) == CONTROL_HIGH_WATER and not session.backlogged
+    big = decode_client('{"type": "ping", "data": "' + "x" * (1 << 20) + '"}')  # a frame's worth of data
+    for _ in range(3):
+        session.receive(big)
+    assert not session.backlogged
+    session.receive(big)  # four unsent: 4 MB of pongs held, not 256 (256 MB) before the connection stops reading
+    assert session.backlogged
+    assert len(session.next_frames()) == 4 and not session.backlogged
     session.receive(Hello(api_key="wrong"))
     assert [f.code for f in session.next_frames()] == ["unauthorized"] and session.close_code == 1008
     session.receive(StatsRequest())  # closing: ignored
