@@ -11,6 +11,8 @@ here in Python.
 """
 from __future__ import annotations
 
+import json
+
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers < 0.21
@@ -127,7 +129,7 @@ class TokenText:
         self.byte_level = "ByteLevel" in kinds
         self.byte_fallback = "ByteFallback" in kinds
         self.metaspace = bool(kinds & {"Metaspace", "Replace"})
-        self.added = {i for i in getattr(tokenizer, "added_tokens_decoder", {})}
+        self.added = set(getattr(tokenizer, "added_tokens_decoder", {}))
         self._bytes: dict[int, bytes] = {}
 
     def bytes(self, token_id: int) -> bytes:
@@ -156,8 +158,6 @@ class TokenText:
 
 def _decoder_kinds(state: bytes | str) -> set[str]:
     """The `type`s of a tokenizers decoder (its JSON state), those inside a `Sequence` included."""
-    import json
-
     found: set[str] = set()
 
     def walk(node) -> None:

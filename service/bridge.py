@@ -14,7 +14,6 @@ step, give up (docs/architecture.md §11).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
 import logging
 import os
@@ -29,6 +28,7 @@ from engine import Checkpoint, LLMEngine, PromptTooLongError
 from engine.processor import InputProcessor
 from service.engine_process import EngineProcess
 from service.engine_thread import Abort, Add, EngineHost, EngineReady, EngineThread, StepResult, Stop
+from service.fair_executor import FairExecutor
 from service.handle import GenerateRequest, RequestError, RequestHandle, TokenRate
 
 log = logging.getLogger("sluice.bridge")
@@ -74,8 +74,7 @@ class EngineBridge:
         self._sent: dict[str, _Sent] = {}  # request_id -> what the engine thread was given, in order
         self._num_queued = 0  # handles submitted but not started: the admission queue
         self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready
-        self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-tokenizer",
-                                                                initializer=_yield_to_the_engine)
+        self._tokenizer = FairExecutor("sluice-tokenizer", initializer=_yield_to_the_engine)  # clients in turn
         self._tokenizing: dict[str, asyncio.Future[list[int]]] = {}  # request_id -> its prompt's ids, to come
         self._aborted_early: set[str] = set()  # aborted while their prompt was queued or being tokenized
         self._rate = TokenRate()
@@ -105,7 +104,7 @@ class EngineBridge:
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._engine.send(Stop())
-        self._tokenizer.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer.shutdown()
         await asyncio.get_running_loop().run_in_executor(None, self._engine.join, timeout)
 
     @property
@@ -131,8 +130,8 @@ class EngineBridge:
         handle = RequestHandle(str(next(self._ids)), req.api, notify)
         self._handles[handle.request_id] = handle
         self._num_queued += 1
-        future = self._tokenizing[handle.request_id] = asyncio.get_running_loop().run_in_executor(
-            self._tokenizer, self._processor.tokenize, req.prompt, req.chat)
+        future = self._tokenizing[handle.request_id] = asyncio.wrap_future(
+            self._tokenizer.submit(req.client, self._processor.tokenize, req.prompt, req.chat))
         future.add_done_callback(lambda f: self._tokenized(handle, req, f))
         return handle
 

@@ -6,7 +6,7 @@ whatever the consumer has not taken yet is merged, never queued per step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ class GenerateRequest:
     params: SamplingParams  # max_tokens None: all the context the prompt leaves
     fit_max_tokens: bool = True  # cap max_tokens to the context the prompt leaves; False: refuse the request
     api: str = "ws"  # metrics label
+    client: Hashable = None  # who asks (a WebSocket connection, an HTTP peer's address): the tokenizer takes turns
 
 
 class RequestHandle:

@@ -80,9 +80,13 @@ async def _read_body(request: Request, struct: type[Struct], limit: int) -> Any:
     try:
         return decode_body(data, struct)
     finally:  # a peer whose bodies keep the loop busy waits for its answers (service/budget.py)
-        peer = request.client.host if request.client else "-"
-        if (wait := request.app.state.service.http_budgets.charge(peer, time.perf_counter() - started)) > 0:
+        if (wait := request.app.state.service.http_budgets.charge(_peer(request), time.perf_counter() - started)) > 0:
             await asyncio.sleep(wait)
+
+
+def _peer(request: Request) -> str:
+    """An HTTP client as the tokenizer's turns and the body budgets know it: its address."""
+    return request.client.host if request.client else "-"
 
 
 def _check_common(svc: Service, body: CommonRequest) -> None:
@@ -111,7 +115,7 @@ async def chat_completions(request: Request) -> Response:
             raise HTTPError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs())
-        req = GenerateRequest(prompt=chat_messages(body), chat=True, params=params, api="chat",
+        req = GenerateRequest(prompt=chat_messages(body), chat=True, params=params, api="chat", client=_peer(request),
                               fit_max_tokens=False)  # as OpenAI: more than the context leaves is a 400
         render = ChatRender(svc.model_name, body.logprobs)
         return await _generate(request, svc, req, render, body)
@@ -128,6 +132,7 @@ async def completions(request: Request) -> Response:
         _check_common(svc, body)
         params = sampling_params(max_tokens=body.max_tokens or 16, logprobs=body.logprobs, **body.sampling_kwargs())
         req = GenerateRequest(prompt=completion_prompt(body), chat=False, params=params, api="completions",
+                              client=_peer(request),
                               fit_max_tokens=body.max_tokens is None)  # the default 16 fits; one asked for must
         render = CompletionRender(svc.model_name, body.logprobs is not None)
         return await _generate(request, svc, req, render, body)

@@ -115,7 +115,7 @@ class Session:
             return
         try:
             params = sampling_params(max_tokens=msg.max_tokens, **msg.sampling_kwargs())
-            request = GenerateRequest(prompt=msg.messages, chat=True, params=params, api="ws")
+            request = GenerateRequest(prompt=msg.messages, chat=True, params=params, api="ws", client=self)
             # NOTE: the bridge never notifies inside `submit`, so the chat is registered below before its first mark
             handle = self.svc.bridge.submit(request, lambda: self._mark(msg.id))
         except RequestError as e:

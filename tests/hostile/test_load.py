@@ -156,3 +156,36 @@ async def test_many_message_flood_does_not_stall_a_neighbour(server: Server) -> 
           f"one frame parses in {parse * 1e3:.1f} ms")
     assert max(flooded) <= 3 * alone + 2 * parse, (
         f"worst gap {max(flooded) * 1e3:.1f} ms vs {alone * 1e3:.1f} ms alone (a frame parses in {parse * 1e3:.1f} ms)")
+
+
+async def test_costly_prompts_on_one_socket_do_not_hold_back_another_clients_chat(server: Server) -> None:
+    """Sixteen prompts just under the early length bound in flight on one socket, each templated and tokenized
+    (a large share of a second apiece here) before the engine refuses it: another client's chat, sent while they
+    are being tokenized, is tokenized after at most one more of them (the tokenizer takes its clients in turn), not
+    after every one left (it took them in arrival order: seconds of queue for everyone else)."""
+    big = "hello " * (250_000 // 6)  # characters / 16 stays under four contexts (4 x 4096 tokens): not refused early
+    flood_errors: list[float] = []
+    async with connect(server.ws_url, max_size=None) as flood, connect(server.ws_url, max_size=None) as other:
+        assert (await recv(flood))["type"] == "ready" and (await recv(other))["type"] == "ready"
+        for i in range(16):
+            await flood.send(json.dumps(user_chat(f"f{i}", big)))
+        await flood.send(json.dumps({"type": "ping"}))  # its pong: the server has read (and queued) all sixteen
+        while (m := await recv(flood))["type"] != "pong":
+            assert m["type"] == "error" and m["code"] == "prompt_too_long", m
+            flood_errors.append(time.monotonic())
+        left = 16 - len(flood_errors)
+        assert left >= 4, "the flood was tokenized before the other chat was sent: nothing to compare"
+        await other.send(json.dumps(user_chat("o", "hi", max_tokens=1)))
+
+        async def rest_of_flood() -> None:
+            while len(flood_errors) < 16:
+                m = await recv(flood)
+                assert m["type"] == "error" and m["code"] == "prompt_too_long", m
+                flood_errors.append(time.monotonic())
+
+        reader = asyncio.create_task(rest_of_flood())
+        assert (await recv(other))["type"] == "start"
+        started = time.monotonic()
+        await reader
+    before = sum(t < started for t in flood_errors) - (16 - left)
+    assert before <= 2, f"{before} of the {left} costly prompts left were tokenized before the other client's chat"

@@ -1,0 +1,72 @@
+"""`FairExecutor`: one worker thread that runs jobs taking their clients in turn (docs/architecture.md §1).
+
+The server's prompts are templated and tokenized on one thread. In arrival order, a client with many costly prompts
+queued (16 in flight of ~260,000 characters each: ~0.25 s apiece) would hold every other client's next prompt behind
+all of its own. Here each client's jobs run in its own order, and the clients with jobs queued take turns: another
+client's prompt waits for at most one job of each client ahead of it.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any
+
+_Job = tuple[Future, Callable[..., Any], tuple[Any, ...]]
+
+
+class FairExecutor:
+    def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
+        self.name, self.initializer = name, initializer
+        self._cv = threading.Condition()
+        self._queues: OrderedDict[Hashable, deque[_Job]] = OrderedDict()  # clients with jobs, whose turn is next first
+        self._thread: threading.Thread | None = None  # started with the first job
+        self._closed = False
+
+    def submit(self, client: Hashable, fn: Callable[..., Any], *args: Any) -> Future:
+        """`fn(*args)` on the worker thread, after `client`'s earlier jobs; a `concurrent.futures.Future` of it."""
+        future: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is shut down")
+            self._queues.setdefault(client, deque()).append((future, fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return future
+
+    def shutdown(self) -> None:
+        """Cancels every job not started; the worker ends after the one it runs."""
+        with self._cv:
+            self._closed = True
+            for jobs in self._queues.values():
+                for future, _, _ in jobs:
+                    future.cancel()
+            self._queues.clear()
+            self._cv.notify_all()
+
+    def _next(self) -> _Job | None:
+        with self._cv:
+            while not self._queues and not self._closed:
+                self._cv.wait()
+            if not self._queues:
+                return None
+            client, jobs = self._queues.popitem(last=False)
+            job = jobs.popleft()
+            if jobs:
+                self._queues[client] = jobs  # its next job after every other client's
+            return job
+
+    def _run(self) -> None:
+        if self.initializer is not None:
+            self.initializer()
+        while (job := self._next()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # the caller's to see
+                future.set_exception(e)
