@@ -120,7 +120,8 @@ class TokenText:
 
     Read from the fast tokenizer's vocabulary: byte-level pieces (GPT-2's alphabet: Llama 3, Qwen, this project's
     tokenizers) map back to bytes, SentencePiece-style byte fallback pieces (`<0xE2>`) are that byte and `▁` a space;
-    added tokens (the special ones) are their content. Anything else falls back to decoding the token alone."""
+    other added tokens are their content. Special tokens, which the text never shows, have no bytes and are named by
+    their content (`<|im_end|>`). Anything else falls back to decoding the token alone."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -129,16 +130,21 @@ class TokenText:
         self.byte_level = "ByteLevel" in kinds
         self.byte_fallback = "ByteFallback" in kinds
         self.metaspace = bool(kinds & {"Metaspace", "Replace"})
-        self.added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self.added = set(added)
+        # the text never shows these (skip_special_tokens): no bytes, named by their content
+        self.special = {i: t.content for i, t in added.items() if getattr(t, "special", False)}
         self._bytes: dict[int, bytes] = {}
 
     def bytes(self, token_id: int) -> bytes:
         b = self._bytes.get(token_id)
         if b is None:
-            b = self._bytes[token_id] = self._read(token_id)
+            b = self._bytes[token_id] = b"" if token_id in self.special else self._read(token_id)
         return b
 
     def name(self, token_id: int) -> str:
+        if token_id in self.special:
+            return self.special[token_id]
         return self.bytes(token_id).decode("utf-8", "backslashreplace")
 
     def _read(self, token_id: int) -> bytes:

@@ -15,7 +15,7 @@ from itertools import chain
 
 import torch
 
-from engine.request import Request, TokenLogprob
+from engine.request import SAMPLING_EPS, Request, TokenLogprob
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -47,8 +47,9 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
                                                                    torch.tensor([len(p) for p in prompts], device=dev))
         seen = torch.cat([out_keys, prompt_keys])  # NOTE: a key seen twice is written twice, with the same value
         rep, x = per_row("repetition_penalty")[row_of(seen)], flat_logits[seen]
-        # (clamped: a penalty near 0 divides a logit past the dtype's range, and inf logits make the softmax NaN)
-        flat_logits[seen] = torch.where(x > 0, x / rep, x * rep).clamp_(max=torch.finfo(dt).max)
+        # (clamped: a penalty near 0 divides a logit past the dtype's range, and inf logits make the softmax NaN;
+        # low enough that the smallest temperature, which divides them next, keeps them finite)
+        flat_logits[seen] = torch.where(x > 0, x / rep, x * rep).clamp_(max=torch.finfo(dt).max * SAMPLING_EPS / 2)
     if len(out_keys) and any(r.params.presence_penalty or r.params.frequency_penalty for r in sub):
         keys, counts = torch.unique(out_keys, return_counts=True)
         row = row_of(keys)

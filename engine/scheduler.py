@@ -213,20 +213,29 @@ class Scheduler:
         return budget
 
     def _admit(self, batch: Batch, budget: int, chunked: bool) -> int:
-        """Admits waiting requests first-come-first-served; returns how many were admitted."""
+        """Admits waiting requests first-come-first-served; returns how many were admitted. Under `mixed`, a prompt
+        whose next uncached block another prompt computes in this step is passed over (it keeps its place): next
+        step that block is cached (under async scheduling, where a step's blocks are published a step later, it is
+        computed again then: the wait keeps the steps the plain loop's)."""
         cfg, admitted, bs = self.config, 0, self.bm.block_size
-        # prompts this step leaves mid-prefill: at most max_num_partial_prefills; one it finishes does not count
-        partial = sum(1 for r, n in zip(batch.reqs, batch.num_new_tokens) if r.num_computed_tokens + n < r.num_tokens)
-        # the full prompt blocks this step computes, by hash: cached once it ran (docs/architecture.md §4)
-        computing = {h for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling
-                     for h in r.block_hashes[r.num_computed_tokens // bs : (r.num_computed_tokens + n) // bs]}
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(batch) < cfg.max_num_seqs:
-            req = self.waiting.first()
+        scheduled = {id(r): n for r, n in zip(batch.reqs, batch.num_new_tokens)}
+        # prompts left mid-prefill by this step: at most max_num_partial_prefills; one it finishes does not count
+        partial = sum(1 for r in self.running if r.status is Status.RUNNING and r.is_prefilling
+                      and r.num_computed_tokens + scheduled.get(id(r), 0) < r.num_tokens)
+        # full prompt blocks this step computes that are not cached yet, by hash (docs/architecture.md §4)
+        computing = set() if not chunked else {
+            h for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling
+            for h in r.block_hashes[r.num_computed_tokens // bs : (r.num_computed_tokens + n) // bs]
+            if h not in self.bm.cached}
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs or len(batch) >= cfg.max_num_seqs:
+                break
             if req.num_placeholders:
                 break  # preempted while its token was being sampled (async scheduling): back once it is known
             cached = self.bm.match_prefix(req)
-            if chunked and len(cached) < len(req.block_hashes) and req.block_hashes[len(cached)] in computing:
-                break  # its next block is another prompt's in this step: it waits a step and finds it cached
+            if computing and len(cached) < min(len(req.block_hashes), (req.num_tokens - 1) // bs) \
+                    and req.block_hashes[len(cached)] in computing:
+                continue  # its next block is another prompt's in this step: cached next step (those behind go on)
             remaining = req.num_tokens - len(cached) * bs
             n = min(remaining, budget, cfg.chunk_limit) if chunked else remaining
             if chunked and n < remaining and partial >= cfg.max_num_partial_prefills:
@@ -237,7 +246,7 @@ class Scheduler:
                 break
             if not self.bm.allocate(req, n, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
             batch.add(req, n)
@@ -245,7 +254,9 @@ class Scheduler:
             budget -= n
             admitted += 1
             partial += n < remaining
-            computing.update(req.block_hashes[len(cached) : (len(cached) * bs + n) // bs])
+            if chunked:
+                computing.update(h for h in req.block_hashes[len(cached) : (len(cached) * bs + n) // bs]
+                                 if h not in self.bm.cached)
         return admitted
 
     def _may_admit(self, req: Request) -> bool:

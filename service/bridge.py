@@ -151,7 +151,8 @@ class EngineBridge:
             self.abort(handle)
 
     def _tokenized(self, handle: RequestHandle, req: GenerateRequest, future: asyncio.Future[list[int]]) -> None:
-        """On the loop, in submission order: hand the ids to the engine, or finish the request here."""
+        """On the loop, each client's in submission order (service/fair_executor.py): hand the ids to the engine, or
+        finish the request here."""
         del self._tokenizing[handle.request_id]
         aborted = handle.request_id in self._aborted_early
         self._aborted_early.discard(handle.request_id)

@@ -7,11 +7,14 @@ client's prompt waits for at most one job of each client ahead of it.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
+
+log = logging.getLogger("sluice.tokenizer")
 
 _Job = tuple[Future, Callable[..., Any], tuple[Any, ...]]
 
@@ -27,25 +30,36 @@ class FairExecutor:
     def submit(self, client: Hashable, fn: Callable[..., Any], *args: Any) -> Future:
         """`fn(*args)` on the worker thread, after `client`'s earlier jobs; a `concurrent.futures.Future` of it."""
         future: Future = Future()
+        job = (future, fn, args)
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"{self.name} is shut down")
-            self._queues.setdefault(client, deque()).append((future, fn, args))
+            self._queues.setdefault(client, deque()).append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
             self._cv.notify()
+        # cancelled while queued: out of the queue at once (its arguments, a whole prompt, with it), costing no turn
+        future.add_done_callback(lambda f: f.cancelled() and self._forget(client, job))
         return future
+
+    def _forget(self, client: Hashable, job: _Job) -> None:
+        with self._cv:
+            jobs = self._queues.get(client)
+            if jobs is not None and any(j is job for j in jobs):
+                jobs.remove(job)
+                if not jobs:
+                    del self._queues[client]
 
     def shutdown(self) -> None:
         """Cancels every job not started; the worker ends after the one it runs."""
         with self._cv:
             self._closed = True
-            for jobs in self._queues.values():
-                for future, _, _ in jobs:
-                    future.cancel()
+            queued = [future for jobs in self._queues.values() for future, _, _ in jobs]
             self._queues.clear()
             self._cv.notify_all()
+        for future in queued:
+            future.cancel()
 
     def _next(self) -> _Job | None:
         with self._cv:
@@ -61,7 +75,10 @@ class FairExecutor:
 
     def _run(self) -> None:
         if self.initializer is not None:
-            self.initializer()
+            try:
+                self.initializer()
+            except Exception:  # (it only tunes the thread: the jobs still run)
+                log.exception("%s: its initializer failed", self.name)
         while (job := self._next()) is not None:
             future, fn, args = job
             if not future.set_running_or_notify_cancel():

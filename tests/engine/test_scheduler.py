@@ -230,18 +230,52 @@ def test_prompts_a_step_finishes_are_not_held_by_the_partial_cap():
 
 def test_a_burst_sharing_a_prefix_computes_it_once():
     """Prompts that arrive together with a shared prefix (a system prompt): the first computes it; the others, whose
-    next block that step computes, wait one step and find it cached, instead of each computing it beside it."""
+    next block that step computes, wait one step and find it cached, instead of each computing it beside it. A
+    prompt behind them that shares nothing is not held up."""
     sched = make(max_model_len=512, scheduling="mixed", max_num_batched_tokens=2048, max_num_seqs=64)
     shared = list(range(1000, 1064))  # four full blocks
     reqs = [Request(f"s{i}", shared + [2000 + i, 3000 + i], SamplingParams(max_tokens=2), 2) for i in range(8)]
-    other = req(40, 2)  # behind them: first come, first served
+    other = req(40, 2)
     for r in [*reqs, other]:
         sched.add(r)
     rec = fake_step(sched, 512)
-    assert rec.reqs == [reqs[0]] and rec.num_tokens == 66
+    assert rec.reqs == [reqs[0], other] and rec.num_tokens == 66 + 40
     rec = fake_step(sched, 512)
-    assert rec.reqs == [reqs[0], *reqs[1:], other]
-    assert all(r.num_cached_tokens == 64 and rec.n_of(r) == 2 for r in reqs[1:]) and rec.n_of(other) == 40
+    assert rec.reqs == [reqs[0], other, *reqs[1:]]
+    assert all(r.num_cached_tokens == 64 and rec.n_of(r) == 2 for r in reqs[1:])
+
+
+def test_identical_block_aligned_prompts_are_not_held_a_step_each():
+    """A prompt whose every block is cached still computes its last one (its last token's logits): that block is
+    cached already, so an identical prompt behind it does not wait for it (they went one a step)."""
+    sched = make(max_model_len=512, scheduling="mixed", max_num_batched_tokens=2048, max_num_seqs=64)
+    prompt = list(range(1000, 1064))  # four full blocks
+    reqs = [Request(f"same{i}", list(prompt), SamplingParams(max_tokens=2), 2) for i in range(8)]
+    for r in reqs:
+        sched.add(r)
+    first = fake_step(sched, 512)
+    assert first.reqs == [reqs[0]]  # the others' blocks are this step's
+    rec = fake_step(sched, 512)
+    assert rec.reqs == reqs and all(rec.n_of(r) == 16 for r in reqs[1:])  # 48 tokens cached, the last block again
+
+
+def test_a_prompt_waiting_on_a_long_shared_prefill_holds_back_no_one():
+    """B shares a long prompt with A, whose prefill is chunked over many steps: B waits for A's blocks (it would only
+    compute them again), and C, queued behind B and sharing nothing, starts at once."""
+    sched = make(max_model_len=4096, num_blocks=512, scheduling="mixed", max_num_batched_tokens=512,
+                 long_prefill_token_threshold=128)
+    shared = list(range(10_000, 12_000))
+    a, b = (Request(name, shared + [20_000 + i], SamplingParams(max_tokens=2), 2) for i, name in enumerate("ab"))
+    c = req(20, 2)
+    for r in (a, b, c):
+        sched.add(r)
+    rec = fake_step(sched, 4096)
+    assert rec.reqs == [a, c] and b.status is Status.WAITING
+    while a.is_prefilling:
+        rec = fake_step(sched, 4096)
+        assert b not in rec.reqs or not a.is_prefilling
+    rec = fake_step(sched, 4096)
+    assert b in rec.reqs and b.num_cached_tokens >= 1984  # A's blocks, all but the last partial one
 
 
 # -- fairness: a short prompt behind a 10k-token prompt ----------------------------------

@@ -31,14 +31,15 @@ def test_byte_level_pieces_join_to_the_text(tok):
 def test_every_byte_level_token_decodes_as_its_bytes(tok):
     tt = TokenText(tok)
     for i in range(len(tok)):
-        if i not in tt.added:
+        if i not in tt.special:
             assert tt.bytes(i).decode("utf-8", "replace") == tok.decode([i]), i
 
 
-def test_special_tokens_are_their_content(tok):
+def test_special_tokens_are_named_by_their_content_and_have_no_bytes(tok):
+    """The text never shows them (skip_special_tokens), so the bytes of a text's tokens stay its bytes."""
     tt = TokenText(tok)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert tt.name(im_end) == "<|im_end|>" and tt.bytes(im_end) == b"<|im_end|>"
+    assert tt.name(im_end) == "<|im_end|>" and tt.bytes(im_end) == b""
 
 
 def test_byte_fallback_and_metaspace():

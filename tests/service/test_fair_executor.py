@@ -33,10 +33,12 @@ def test_clients_take_turns_and_each_keeps_its_order() -> None:
 
 def test_cancelled_jobs_do_not_run_failures_reach_the_caller_and_shutdown_cancels() -> None:
     ex = FairExecutor("test-fair")
-    gate, ran = threading.Event(), []
-    first = ex.submit("a", gate.wait, 10)
+    gate, running, ran = threading.Event(), threading.Event(), []
+    first = ex.submit("a", lambda: running.set() or gate.wait(10))
+    assert running.wait(10)
     skipped = ex.submit("a", ran.append, "skipped")
     assert skipped.cancel()
+    assert list(ex._queues) == []  # a cancelled job leaves the queue at once: it holds its arguments no longer
     failing = ex.submit("b", lambda: 1 / 0)
     queued = ex.submit("c", ran.append, "queued")
     gate.set()
