@@ -22,7 +22,7 @@ CONTEXT_TOKENS = 6  # prompt tokens decoded along with the output, so leading sp
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool = False):
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -30,6 +30,7 @@ class IncrementalDetokenizer:
         self.backend = getattr(tokenizer, "_tokenizer", None)  # a fast tokenizer's tokenizers.Tokenizer
         self.stream = _stream(self.backend, self.ids) if self.backend is not None else None
         self.stop = stop
+        self.include_stop = include_stop  # a matched stop string stays at the end of the text
         self.max_stop = max((len(s) for s in stop), default=0)
         self.first_chars = {s[0] for s in stop}
         self.text = ""  # the completion text so far (cut at a matched stop string)
@@ -74,9 +75,10 @@ class IncrementalDetokenizer:
         self.text += new_text
         if self.stop:
             window = max(0, start - self.max_stop + 1)
-            hits = [i for s in self.stop if (i := self.text.find(s, window)) >= 0]
+            hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, window)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                i, n = min(hits)  # the first match (the shortest, of those starting there)
+                self.text = self.text[: i + n if self.include_stop else i]
                 return True
         return False
 

@@ -252,7 +252,7 @@ class LLMEngine:
             raise PromptTooLongError(f"the context is {self.max_model_len} tokens; the prompt has {len(ids)} and "
                                      f"max_tokens asks for {params.max_tokens} more (at most {room} fit)", "max_tokens")
         req = Request(request_id, ids, params, min(max_tokens, room))
-        req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
         if params.seed is not None:
             req.generator = self.runner.sampler.make_generator(params.seed)
         if resume is not None:

@@ -47,6 +47,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
+    include_stop_str_in_output: bool = False  # the text ends after a matched stop string instead of before it
 
     def __post_init__(self) -> None:
         def need(ok: bool, param: str, rule: str) -> None:

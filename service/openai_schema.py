@@ -48,6 +48,7 @@ class CommonRequest(Struct):
     repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = None
     stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=1024)] | None = None
+    include_stop_str_in_output: bool | None = None
     # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
     logit_bias: Any = None
     response_format: Any = None
@@ -59,7 +60,6 @@ class CommonRequest(Struct):
     structured_outputs: Any = None
     structural_tag: Any = None
     min_tokens: Any = None
-    include_stop_str_in_output: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
@@ -77,6 +77,8 @@ class CommonRequest(Struct):
             kwargs["stop"] = [self.stop]
         if self.stop_token_ids:
             kwargs["stop_token_ids"] = self.stop_token_ids
+        if self.include_stop_str_in_output:
+            kwargs["include_stop_str_in_output"] = True
         return kwargs
 
 
@@ -127,7 +129,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "structured_outputs": ((), "no structured output"),
     "structural_tag": ((), "no structured output"),
     "min_tokens": ((0,), "no minimum length"),
-    "include_stop_str_in_output": ((False,), "a matched stop string is never in the output"),
     "allowed_token_ids": ((), "no restriction of the vocabulary"),
     "bad_words": (([],), "no banned words"),
     "use_beam_search": ((False,), "no beam search"),

@@ -181,6 +181,17 @@ def test_stop_string_spanning_tokens_is_held_back_then_cut(tok, prompt_ids, byte
     assert detok.delta(True) == "" and detok.text == "go "
 
 
+def test_a_stop_string_kept_in_the_output_ends_it(tok, prompt_ids, byte_ids):
+    """`include_stop_str_in_output` (vLLM's): the text ends after the first match, which is shown; nothing after it
+    (the rest of the token that completed it) is."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, ["STOP", "OP!"], include_stop=True)
+    deltas, stopped = stream(detok, by_bytes(byte_ids, "go STOP!!"))
+    assert stopped == 6 and "".join(deltas) == detok.text == "go STOP"
+    ids = tok(" hello world", add_special_tokens=False)["input_ids"]
+    deltas, _ = stream(IncrementalDetokenizer(tok, prompt_ids, ["llo"], include_stop=True), ids)
+    assert "".join(deltas) == " hello"  # matched inside one token: cut after the match, not the token
+
+
 def test_held_back_text_is_released_when_it_is_not_a_stop(tok, prompt_ids, byte_ids):
     ids = by_bytes(byte_ids, "STx世y世界")
     deltas, stopped = stream(IncrementalDetokenizer(tok, prompt_ids, ["STOP", "世界"]), ids)

@@ -90,8 +90,9 @@ def test_logprob_bytes_join_to_the_text(client: openai.OpenAI, model: str) -> No
 
 
 def test_null_means_the_default_and_vllm_extensions(main_server: Server, client: openai.OpenAI, model: str) -> None:
-    """OpenAI's nullable fields take null as leaving them out; vLLM's `stop_token_ids` works; its other parameters
-    that would change the output are refused, not ignored (the values that change nothing pass)."""
+    """OpenAI's nullable fields take null as leaving them out; vLLM's `stop_token_ids` and
+    `include_stop_str_in_output` work; its other parameters that would change the output are refused, not ignored
+    (the values that change nothing pass)."""
     chat = {"model": model, "messages": MESSAGES, "max_tokens": 4}
     with httpx.Client(base_url=main_server.url, timeout=60) as http:
         for route, body in (("/v1/chat/completions", {**chat, "n": None, "stream": None, "logprobs": None}),
@@ -100,7 +101,7 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
             r = http.post(route, json=body)
             assert r.status_code == 200, r.text
         for name, value in (("min_tokens", 5), ("structured_outputs", {"json": {"type": "object"}}),
-                            ("include_stop_str_in_output", True), ("allowed_token_ids", [5]), ("bad_words", ["o"]),
+                            ("allowed_token_ids", [5]), ("bad_words", ["o"]),
                             ("use_beam_search", True), ("prompt_logprobs", 1), ("chat_template", "{{ x }}")):
             r = http.post("/v1/chat/completions", json={**chat, name: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
@@ -112,6 +113,12 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
         r = http.post("/v1/completions", json={"model": model, "prompt": [], "max_tokens": 4})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    stop = dict(model=model, messages=MESSAGES, max_tokens=40, temperature=0.0, stop=["o"],
+                extra_body={"ignore_eos": True})
+    cut = client.chat.completions.create(**stop).choices[0]
+    kept = client.chat.completions.create(**{**stop, "extra_body": {"ignore_eos": True,
+                                                                    "include_stop_str_in_output": True}}).choices[0]
+    assert cut.finish_reason == kept.finish_reason == "stop" and kept.message.content == cut.message.content + "o"
     every = list(range(1024))  # every id of the tiny vocabulary
     r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0.0,
                                        extra_body={"ignore_eos": True})
