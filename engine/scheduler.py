@@ -222,11 +222,15 @@ class Scheduler:
         # prompts left mid-prefill by this step: at most max_num_partial_prefills; one it finishes does not count
         partial = sum(1 for r in self.running if r.status is Status.RUNNING and r.is_prefilling
                       and r.num_computed_tokens + scheduled.get(id(r), 0) < r.num_tokens)
-        # full prompt blocks this step computes that are not cached yet, by hash (docs/architecture.md §4)
+
+        def fresh(r: Request, n: int) -> list[int]:
+            """The hashes of the full prompt blocks `r`'s next `n` tokens complete that are not cached yet."""
+            c = r.num_computed_tokens
+            return [h for h in r.block_hashes[c // bs : (c + n) // bs] if h not in self.bm.cached]
+
+        # the full prompt blocks this step computes, by hash (docs/architecture.md §4)
         computing = set() if not chunked else {
-            h for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling
-            for h in r.block_hashes[r.num_computed_tokens // bs : (r.num_computed_tokens + n) // bs]
-            if h not in self.bm.cached}
+            h for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling for h in fresh(r, n)}
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs or len(batch) >= cfg.max_num_seqs:
                 break
@@ -255,8 +259,7 @@ class Scheduler:
             admitted += 1
             partial += n < remaining
             if chunked:
-                computing.update(h for h in req.block_hashes[len(cached) : (len(cached) * bs + n) // bs]
-                                 if h not in self.bm.cached)
+                computing.update(fresh(req, n))  # (its cached tokens count as computed now)
         return admitted
 
     def _may_admit(self, req: Request) -> bool:

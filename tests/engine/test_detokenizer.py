@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import engine.detokenizer
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import _BYTE_OF, IncrementalDetokenizer
 
 PROMPT = "Hello world, "
 
@@ -45,23 +45,11 @@ def prompt_ids(tok) -> list[int]:
     return tok(PROMPT, add_special_tokens=False)["input_ids"]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are written in."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 @pytest.fixture(scope="module")
 def byte_ids(tok) -> list[int]:
-    """byte_ids[b]: the token that is exactly byte b."""
-    ids = [tok.convert_tokens_to_ids(c) for c in _bytes_to_unicode().values()]
-    table = dict(zip(_bytes_to_unicode(), ids))
+    """byte_ids[b]: the token that is exactly byte b (GPT-2's alphabet, which byte-level vocabularies are written in)."""
+    table = {b: tok.convert_tokens_to_ids(c) for c, b in _BYTE_OF.items()}
+    ids = list(table.values())
     assert all(isinstance(i, int) for i in ids) and len(set(ids)) == 256
     return [table[b] for b in range(256)]
 
