@@ -161,7 +161,8 @@ def test_host_reports_each_phase_and_the_baselines(tiny_model_dir, tmp_path) -> 
         if "(bridge" in r["system"]:  # the real server's event loop, per step and per token it delivered
             assert r["tokens"] == 4 * r["batch"] and r["steps"] >= 4, r
             assert r["loop_ms"] > 0 and r["loop_us_per_token"] > 0 and r.get("host_ms") is None
-            assert r["step_ms"] > 0 and r["itl_p50_ms"] > 0 and r["tok_s"] > 0
+            # tokens that share a delta (text held back mid-character) are 0 apart: the median gap may be 0
+            assert r["step_ms"] > 0 and r["itl_p50_ms"] >= 0 and r["tok_s"] > 0
             continue
         if r["system"].endswith("(async scheduling)"):  # the phases overlap: only the step's time is reported
             assert r["step_ms"] > 0 and r["forward_ms"] is None
