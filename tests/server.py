@@ -5,7 +5,9 @@ slow every step several-fold.
 """
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,3 +96,16 @@ def wait_healthy(server: Server) -> Server:
 
 def start_server(tmp: Path, *flags: str, env: dict[str, str] | None = None, tiny: bool = True) -> Server:
     return wait_healthy(spawn_server(tmp, *flags, env=env, tiny=tiny))
+
+
+async def wait_websockets(server: Server, n: int, timeout: float = 10.0) -> None:
+    """Until the server has `n` WebSockets open (its metrics say): a socket's slot frees a moment after its close
+    handshake."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        while True:
+            text = (await http.get("/metrics")).text
+            if float(re.search(r"^sluice_websocket_connections (\S+)$", text, re.MULTILINE)[1]) == n:
+                return
+            assert time.monotonic() < deadline, f"not {n} websockets open:\n{text}"
+            await asyncio.sleep(0.05)

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import random
-import re
 import signal
 import time
 from collections import Counter
@@ -24,7 +23,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.hostile.conftest import read_until_closed, still_open
-from tests.server import Server, start_server
+from tests.server import Server, start_server, wait_websockets
 from tests.service.conftest import recv, send, user_chat
 
 KEY = "hostile-key"
@@ -96,18 +95,6 @@ async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -
     writer.close()
 
 
-async def _wait_websockets(server: Server, n: int) -> None:
-    """Until the server has `n` WebSockets open: a socket's slot frees a moment after its close handshake."""
-    deadline = time.monotonic() + MARGIN
-    async with httpx.AsyncClient(base_url=server.url) as http:
-        while True:
-            text = (await http.get("/metrics")).text
-            if float(re.search(r"^sluice_websocket_connections (\S+)$", text, re.MULTILINE)[1]) == n:
-                return
-            assert time.monotonic() < deadline, f"not {n} websockets open:\n{text}"
-            await asyncio.sleep(0.05)
-
-
 def _new_log(server: Server, offset: int) -> str:
     return server.log_text()[offset:]
 
@@ -146,7 +133,7 @@ async def test_keyless_flood_never_locks_out_clients_with_the_key(guarded: Serve
         stop.set()
         await asyncio.wait_for(asyncio.gather(*flood), TIMEOUT_AUTH + MARGIN)
     assert set(closes) <= {1008, 1013} and closes[1013] >= 1, closes  # evicted, or timed out: nothing else
-    await _wait_websockets(guarded, 0)
+    await wait_websockets(guarded, 0)
 
 
 async def test_a_socket_that_never_says_hello_is_closed_1008(guarded: Server) -> None:
@@ -154,7 +141,7 @@ async def test_a_socket_that_never_says_hello_is_closed_1008(guarded: Server) ->
     start = time.monotonic()
     frames, code = await _closed_with(ws, TIMEOUT_AUTH + MARGIN)
     assert code == 1008 and [f["code"] for f in frames] == ["unauthorized"], (code, frames)
-    assert time.monotonic() - start >= TIMEOUT_AUTH * 0.9
+    assert time.monotonic() - start >= TIMEOUT_AUTH - 0.5  # (the clock starts after the handshake: a little late)
 
 
 async def test_pending_sockets_push_out_only_each_other(bounded: Server) -> None:
@@ -167,12 +154,12 @@ async def test_pending_sockets_push_out_only_each_other(bounded: Server) -> None
     frames, code = await _closed_with(pending[1])
     assert code == 1013 and frames[0]["code"] == "overloaded", (code, frames)
     await authed[0].close()
-    await _wait_websockets(bounded, 1 + BOUNDED_MAX_CONNECTIONS - 1)  # `newest`, and the authenticated left
+    await wait_websockets(bounded, 1 + BOUNDED_MAX_CONNECTIONS - 1)  # `newest`, and the authenticated left
     await send(newest, type="hello", api_key=KEY)
     assert (await recv(newest))["type"] == "ready"
     for ws in [newest, *authed[1:]]:
         await ws.close()
-    await _wait_websockets(bounded, 0)
+    await wait_websockets(bounded, 0)
 
 
 # ---- 2. expected client behaviour logs one line, never a traceback --------------------------------
@@ -191,7 +178,7 @@ async def test_drops_mid_body_bad_utf8_and_refused_upgrades_log_no_error(guarded
     with pytest.raises(InvalidStatus) as info:
         await connect(guarded.ws_url, origin=EVIL_ORIGIN, additional_headers=AUTH)
     assert info.value.response.status_code == 403
-    await _wait_websockets(guarded, 0)
+    await wait_websockets(guarded, 0)
     full = [await _authed(guarded) for _ in range(MAX_CONNECTIONS)]
     with pytest.raises(InvalidStatus) as info:
         await connect(guarded.ws_url, additional_headers=AUTH)
@@ -199,7 +186,7 @@ async def test_drops_mid_body_bad_utf8_and_refused_upgrades_log_no_error(guarded
     assert info.value.response.headers["Retry-After"] == "5"  # as the HTTP API's 503s
     for ws in full:
         await ws.close()
-    await _wait_websockets(guarded, 0)
+    await wait_websockets(guarded, 0)
 
     deadline = time.monotonic() + MARGIN
     while _new_log(guarded, offset).count("before sending the whole body") < drops:
@@ -244,7 +231,7 @@ async def test_slowloris_is_closed_within_its_timeout(guarded: Server, case: str
         dripping.cancel()
         writer.close()
     assert data.startswith(answer) and (answer or not data), data
-    assert took >= TIMEOUT * 0.9, took
+    assert took >= TIMEOUT - 0.5, took  # (its clock starts after the connect: a little late)
     if answer:
         assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
 
@@ -341,7 +328,7 @@ async def test_at_the_bound_the_longest_waiting_connection_makes_room(bounded: S
         await send(ws, type="ping", data=1)
         assert await recv(ws) == {"type": "pong", "data": 1}
         await ws.close()
-    await _wait_websockets(bounded, 0)
+    await wait_websockets(bounded, 0)
 
 
 async def test_when_every_connection_runs_a_request_a_new_one_gets_503(bounded: Server) -> None:
@@ -373,11 +360,12 @@ async def test_when_every_connection_runs_a_request_a_new_one_gets_503(bounded: 
 
 # ---- 4. draining, as a load balancer sees it ----------------------------------------------------
 async def test_draining_is_visible_on_health_until_the_listener_closes(tiny_model_dir, tmp_path) -> None:
-    server = start_server(tmp_path, *MODEL_FLAGS, "--timeout-graceful-shutdown=60")
+    # (a chat of thousands of steps: still running after the checks below on however fast a CPU)
+    server = start_server(tmp_path, "--num-kv-blocks=512", "--max-model-len=4096", "--timeout-graceful-shutdown=60")
     try:
         ws = await connect(server.ws_url)
         assert (await recv(ws))["type"] == "ready"
-        await ws.send(json.dumps(user_chat("long", "go on", max_tokens=LONG, ignore_eos=True)))
+        await ws.send(json.dumps(user_chat("long", "go on", max_tokens=4096 - 128, ignore_eos=True)))
         assert (await recv(ws))["type"] == "start"  # the drain now lasts until this chat ends
         server.proc.send_signal(signal.SIGTERM)
         async with httpx.AsyncClient(base_url=server.url) as http:

@@ -20,7 +20,7 @@ from service import engine_child
 from service.engine_process import EngineProcess
 from service.engine_thread import Abort, Add, Stop
 from tests.server import start_server
-from tests.service.test_engine_thread import LONG, MAX_LEN, Recorder, _ids
+from tests.service.test_engine_thread import Recorder, _ids
 
 
 def dies_while_loading() -> LLMEngine:
@@ -36,8 +36,14 @@ def no_spare() -> None:
         spare.process.join()
 
 
+# the child steps without ever waiting for this process: a "long" request runs thousands of steps, so it is still
+# running when a message sent after a few of them arrives, however fast the CPU and however busy this process
+MAX_LEN = 4096
+LONG = SamplingParams(max_tokens=MAX_LEN - 16, temperature=0.0, ignore_eos=True)
+
+
 def tiny_factory(model_dir) -> partial:
-    return partial(LLMEngine, EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64,
+    return partial(LLMEngine, EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=300,
                                            max_model_len=MAX_LEN))
 
 

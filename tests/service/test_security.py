@@ -3,7 +3,6 @@ admission queue (`overloaded` / HTTP 429) and a pinned system prompt; and, in pr
 that fails only its request."""
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from engine import EngineConfig, LLMEngine
 from service.app import build_app
 from service.config import ServerConfig
+from tests.server import wait_websockets
 from tests.service.conftest import (LONG, MAIN_ENGINE, Server, check_chat_frames, collect, in_process, recv, send,
                                     start_server, user_chat)
 
@@ -122,7 +122,7 @@ async def test_origin_allowlist(guarded: Server) -> None:
 
 
 async def test_max_connections(guarded: Server) -> None:
-    await asyncio.sleep(0.2)  # sockets closed by earlier tests finish their close handshake
+    await wait_websockets(guarded, 0)  # sockets closed by earlier tests finish their close handshake
     sockets = [await authed(guarded) for _ in range(MAX_CONNECTIONS)]
     with pytest.raises(InvalidStatus) as info:
         await connect(guarded.ws_url, additional_headers=AUTH)
