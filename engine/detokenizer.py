@@ -41,8 +41,9 @@ class IncrementalDetokenizer:
             return self.backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def add_token(self, token_id: int) -> bool:
-        """Appends one token; returns True when a stop string matched (the text is then final)."""
+    def add_token(self, token_id: int, stops: bool = True) -> bool:
+        """Appends one token; returns True when a stop string matched (the text is then final). `stops` False: the
+        token's text is not searched for stop strings (one of the first `min_tokens`)."""
         self.ids.append(token_id)
         if self.stream is not None:
             try:
@@ -53,29 +54,31 @@ class IncrementalDetokenizer:
                 if new is None:
                     return False
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)  # what flush starts from
-                return self._extend(new)
+                return self._extend(new, stops)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False  # an incomplete UTF-8 sequence (or nothing printable) so far
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._extend(full[len(prefix) :])
+        return self._extend(full[len(prefix) :], stops)
 
-    def flush(self) -> bool:
-        """At the end: keeps the bytes still waiting for the rest of a character (stop strings apply)."""
+    def flush(self, stops: bool = True) -> bool:
+        """At the end: keeps the bytes still waiting for the rest of a character (stop strings apply, as to the
+        last token's text, by `stops`)."""
         if self.read_offset >= len(self.ids):
             return False
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return self._extend(full[len(prefix) :])
+        return self._extend(full[len(prefix) :], stops)
 
-    def _extend(self, new_text: str) -> bool:
+    def _extend(self, new_text: str, stops: bool) -> bool:
+        """`new_text` onto the text; with `stops`, the first stop string that ends in it cuts the text (one that ends
+        before it is in text never searched: the first `min_tokens`')."""
         start = len(self.text)
         self.text += new_text
-        if self.stop:
-            window = max(0, start - self.max_stop + 1)
-            hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, window)) >= 0]
+        if self.stop and stops:
+            hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, max(0, start - len(s) + 1))) >= 0]
             if hits:
                 i, n = min(hits)  # the first match (the shortest, of those starting there)
                 self.text = self.text[: i + n if self.include_stop else i]

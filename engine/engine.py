@@ -31,8 +31,8 @@ from engine.models import LlamaModel
 from engine.parallel import Shard, Workers
 from engine.prefix_store import PrefixStore
 from engine.processor import InputProcessor
-from engine.request import (PLACEHOLDER, Checkpoint, CompletionOutput, PromptTooLongError, Request, RequestOutput,
-                            SamplingParams, Status)
+from engine.request import (PLACEHOLDER, Checkpoint, CompletionOutput, InvalidSamplingParam, PromptTooLongError,
+                            Request, RequestOutput, SamplingParams, Status)
 from engine.sampler import SeededStream
 from engine.scheduler import Batch, Scheduler
 from engine.step_cost import attention_work
@@ -253,6 +253,13 @@ class LLMEngine:
                                      f"max_tokens asks for {params.max_tokens} more (at most {room} fit)", "max_tokens")
         req = Request(request_id, ids, params, min(max_tokens, room))
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
+        if params.min_tokens:
+            vocab = self.model_config.vocab_size
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            req.min_tokens_banned = sorted(t for t in banned if 0 <= t < vocab) or None
+            if req.min_tokens_banned is not None and len(req.min_tokens_banned) == vocab:
+                raise InvalidSamplingParam("min_tokens", "min_tokens: every token of the vocabulary ends the request "
+                                           "(stop_token_ids, EOS), so none could come before the minimum")
         if params.seed is not None:
             req.generator = self.runner.sampler.make_generator(params.seed)
         if resume is not None:
@@ -596,24 +603,25 @@ class LLMEngine:
         runs): only a request with stop strings needs its text here, where it decides the finish."""
         p, e = req.params, _Emit(req)
         for i, token in enumerate(tokens):
+            stops = not req.below_min_tokens()  # (one of the first min_tokens never ends the request)
             req.token_ids.append(token)
             self.generation_tokens += 1
             e.token_ids.append(token)
             if logprobs and logprobs[i]:
                 e.logprobs.append(logprobs[i])
             reason, matched_stop_string = None, False
-            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            if stops and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
                 reason = "stop"  # the stop token itself shows up in token ids, never in text
             elif not p.stop:
                 e.text_ids.append(token)  # no stop string to find: the text can wait
-            elif req.detok.add_token(token):
+            elif req.detok.add_token(token, stops):
                 reason, matched_stop_string = "stop", True
             if reason is None and req.reached_length(self.max_model_len):
                 reason = "length"
             if reason is not None and not matched_stop_string:
                 if not p.stop:
                     e.flush = True
-                elif req.detok.flush():
+                elif req.detok.flush(stops):
                     reason = "stop"  # the last, held-back bytes completed a stop string
             if reason is not None:
                 e.reason = reason
@@ -811,8 +819,8 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
     if len(out) >= req.max_tokens:  # it would have finished
         raise ValueError(f"a checkpoint of {len(out)} tokens leaves no room for another (max_tokens {req.max_tokens})")
     req.token_ids += out
-    for token in out:  # the same text as the engine that made them: the detokenizer is deterministic
-        req.detok.add_token(token)
+    for i, token in enumerate(out):  # the same text as the engine that made them: the detokenizer is deterministic
+        req.detok.add_token(token, i >= req.params.min_tokens)
     if ckpt.num_text_chars > len(req.detok.text):
         raise ValueError(f"a checkpoint claims {ckpt.num_text_chars} characters of text; its tokens make "
                          f"{len(req.detok.text)}")

@@ -48,6 +48,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
     include_stop_str_in_output: bool = False  # the text ends after a matched stop string instead of before it
+    # (vLLM's) the first min_tokens tokens never end the request: EOS and stop_token_ids cannot be sampled while
+    # fewer have been generated, and stop strings are looked for only in the text of the tokens after them
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         def need(ok: bool, param: str, rule: str) -> None:
@@ -66,6 +69,9 @@ class SamplingParams:
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         need(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be a list of non-empty strings")
+        need(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.top_k == -1:
             self.top_k = 0
@@ -124,6 +130,9 @@ class Request:
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
         self.generator = None  # engine.sampler.SeededStream when params.seed is set
         self.prompt_tokens = None  # the sampler's: the prompt's distinct token ids on the device (repetition penalty)
+        # the tokens `params.min_tokens` keeps the sampler from drawing until that many are out (EOS unless ignored,
+        # stop_token_ids), set by the engine; None when there is no minimum (or nothing to keep out)
+        self.min_tokens_banned: list[int] | None = None
         # async scheduling (engine.py): trailing entries of token_ids sampled by a step still running, their values
         # not known yet (PLACEHOLDER); the next step is scheduled as if they were (it reads them on the device)
         self.num_placeholders = 0
@@ -142,6 +151,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def below_min_tokens(self) -> bool:
+        """Its next token is one of the first `params.min_tokens`: it cannot end the request (the sampler's and the
+        engine's test; tokens a running step samples, `num_placeholders`, are not out yet)."""
+        return self.num_tokens - self.num_placeholders - self.num_prompt_tokens < self.params.min_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

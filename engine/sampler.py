@@ -231,6 +231,13 @@ class Sampler:
         if any(r.params.has_penalties for r in reqs):
             logits = logits.clone(memory_format=torch.contiguous_format)  # (apply_penalties works on its flat view)
             apply_penalties(logits, reqs)
+        banned = [(i, r.min_tokens_banned) for i, r in enumerate(reqs)
+                  if r.min_tokens_banned is not None and r.below_min_tokens()]
+        if banned:  # min_tokens: EOS and the stop token ids cannot come yet (their logprobs are the model's)
+            logits = logits.clone() if logits is raw else logits
+            rows = torch.tensor(list(chain.from_iterable([i] * len(ids) for i, ids in banned)), device=logits.device)
+            cols = torch.tensor(list(chain.from_iterable(ids for _, ids in banned)), device=logits.device)
+            logits[rows, cols] = float("-inf")
         greedy_tokens = logits.argmax(-1)
         tokens = greedy_tokens.clone()
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -252,7 +259,8 @@ class Sampler:
         len(r.draft) of them, the last the usual next-token row and each one before it the row that predicts a draft
         token. Returns each request's new tokens (the draft tokens kept, then one drawn at the first rejection or
         after the last draft token) and their logprobs if it asked for them. A request without a draft samples as
-        `__call__` does. Requests with a draft have no penalties (engine/spec.py never drafts for them)."""
+        `__call__` does. Requests with a draft have no penalties and no tokens banned by min_tokens (engine/spec.py
+        never drafts for them)."""
         logits = logits.float()
         width = [1 + len(r.draft) for r in reqs]
         start = [0]

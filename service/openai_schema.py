@@ -12,7 +12,8 @@ from msgspec import Meta, Struct
 from service import json_guard
 from service.openai_errors import HTTPError
 from service.protocol import (
-    SAMPLING_FIELDS, MaxTokens, MinP, Penalty, RepetitionPenalty, Seed, StopString, StopStrings, Temperature, TopK, TopP,
+    SAMPLING_FIELDS, MaxTokens, MinP, MinTokens, Penalty, RepetitionPenalty, Seed, StopString, StopStrings, Temperature,
+    TopK, TopP,
 )
 
 
@@ -49,6 +50,7 @@ class CommonRequest(Struct):
     ignore_eos: bool | None = None
     stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=1024)] | None = None
     include_stop_str_in_output: bool | None = None
+    min_tokens: MinTokens | None = None
     # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
     logit_bias: Any = None
     response_format: Any = None
@@ -59,7 +61,6 @@ class CommonRequest(Struct):
     guided_grammar: Any = None
     structured_outputs: Any = None
     structural_tag: Any = None
-    min_tokens: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
@@ -128,7 +129,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "one completion per request"),
     "structured_outputs": ((), "no structured output"),
     "structural_tag": ((), "no structured output"),
-    "min_tokens": ((0,), "no minimum length"),
     "allowed_token_ids": ((), "no restriction of the vocabulary"),
     "bad_words": (([],), "no banned words"),
     "use_beam_search": ((False,), "no beam search"),

@@ -27,6 +27,7 @@ StopString = Annotated[str, Meta(min_length=1, max_length=256)]
 # The sampling fields' wire ranges (docs/protocol.md §3), written once for both APIs: the WebSocket `chat` and
 # OpenAI's requests (openai_api.py). They are what the API promises; SamplingParams checks what the engine can do.
 MaxTokens = Annotated[int, Meta(ge=1)]
+MinTokens = Annotated[int, Meta(ge=0)]  # (at most max_tokens: SamplingParams checks the two together)
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -36,7 +37,7 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 StopStrings = Annotated[list[StopString], Meta(max_length=16)]
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "seed", "stop", "ignore_eos")
+                   "repetition_penalty", "seed", "stop", "ignore_eos", "min_tokens")
 
 
 class _In(Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -66,6 +67,7 @@ class Chat(_In, tag="chat"):
     seed: Seed | None = None
     stop: StopStrings | None = None
     ignore_eos: bool | None = None
+    min_tokens: MinTokens | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The sampling fields the client set (`SamplingParams` keyword arguments), max_tokens excluded."""

@@ -42,11 +42,18 @@ def tokens(got: dict[str, list[tuple]]) -> dict[str, list[int]]:
 
 def all_params(eng: LLMEngine) -> list[SamplingParams]:
     """`params()` (greedy with logprobs, seeded top-p, stop strings, seeded penalties, EOS), an unseeded request,
-    and one (r6, on `_prompts()[2]`) that stops at the token id its greedy run reaches at its 6th token."""
-    probe = eng.generate([_prompts()[2]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    stop_at = probe[0].token_ids[5]
+    one (r6, on `_prompts()[2]`) that stops at the token id its greedy run reaches at its 6th token, and one (r7, on
+    `R7_PROMPT`) that may not stop on the token its greedy run reaches at its 6th, nor on a stop string, before its
+    9th (`min_tokens`)."""
+    probe = eng.generate([_prompts()[2], R7_PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    stop_at, r7_at = (p.token_ids[5] for p in probe)
     return params() + [SamplingParams(max_tokens=20, temperature=0.9, ignore_eos=True),
-                       SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True)]
+                       SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True),
+                       SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[r7_at], stop=["e"], min_tokens=8,
+                                      ignore_eos=True)]
+
+
+R7_PROMPT = list(range(300, 340))  # (a prompt of its own: one found in the prefix cache a step later may be chunked)
 
 
 def _same_but_the_last_bits(a: dict[str, list[tuple]], b: dict[str, list[tuple]]) -> None:
@@ -68,7 +75,7 @@ def _same_but_the_last_bits(a: dict[str, list[tuple]], b: dict[str, list[tuple]]
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_same_streams_as_the_plain_loop(tiny_model_dir, setup, caplog):
     prompts = _prompts()
-    prompts = prompts + [prompts[0], prompts[2]]
+    prompts = prompts + [prompts[0], prompts[2], R7_PROMPT]
     plain = engine(tiny_model_dir, False, graphs=setup == "graphs", **SETUPS[setup])
     ahead = engine(tiny_model_dir, True, graphs=setup == "graphs", **SETUPS[setup])
     assert ahead._pipelined and not plain._pipelined
@@ -90,6 +97,7 @@ def test_same_streams_as_the_plain_loop(tiny_model_dir, setup, caplog):
             assert ahead.stats()["prompt_tokens_computed"] > plain.stats()["prompt_tokens_computed"]
             _same_but_the_last_bits(a, b)
         assert all(s[-1][2] for s in a.values()) and a["r6"][-1][3] == "stop" and len(a["r6"]) < 30
+        assert len(tokens(a)["r7"]) > 8 and ps[7].stop_token_ids[0] not in tokens(a)["r7"][:8]
     assert sum(read) > 20 and "retrying" not in caplog.text  # (a failed forward would be run again, and hide it)
     assert setup != "graphs" or sum(mixed_reads) > 0
     if setup == "chunked-preempting":

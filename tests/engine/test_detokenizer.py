@@ -5,6 +5,7 @@ that gave up). Then the two side by side on random ids, also for a SentencePiece
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import assume, given, settings
@@ -58,15 +59,15 @@ def decode(tok, ids: list[int]) -> str:
     return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], int | None]:
+def stream(detok: IncrementalDetokenizer, ids: list[int], min_tokens: int = 0) -> tuple[list[str], int | None]:
     """Feeds `ids` as the engine does; returns the deltas and the index of the token that matched a stop."""
     deltas = []
     for i, t in enumerate(ids):
-        if detok.add_token(t):
+        if detok.add_token(t, i >= min_tokens):
             deltas.append(detok.delta(True))
             return deltas, i
         deltas.append(detok.delta(False))
-    detok.flush()
+    detok.flush(len(ids) > min_tokens)
     deltas.append(detok.delta(True))
     return deltas, None
 
@@ -200,6 +201,21 @@ def test_stop_string_inside_one_token(tok, prompt_ids):
     assert stopped is not None and "".join(deltas) == " he"
 
 
+@pytest.mark.parametrize("min_tokens, stops, stopped, text", [
+    (0, ["at"], 6, "the c"),
+    (6, ["at"], 6, "the c"),  # the 7th token completes the stop string: it may end the request
+    (7, ["at"], 10, "the cat s"),  # not the 7th: the stop string in its text is never looked for, the next one is
+    (5, ["cat"], 6, "the "),  # one that begins in the first tokens' text and ends after them counts
+    (7, ["cat", "at"], 10, "the cat s"),
+    (22, ["at"], None, "the cat sat on the mat"),
+    (21, ["at"], 21, "the cat sat on the m"),
+])
+def test_stop_strings_only_after_min_tokens(tok, prompt_ids, byte_ids, min_tokens, stops, stopped, text):
+    deltas, at = stream(IncrementalDetokenizer(tok, prompt_ids, stops), by_bytes(byte_ids, "the cat sat on the mat"),
+                        min_tokens)
+    assert at == stopped and "".join(deltas) == text
+
+
 def test_earliest_stop_wins(tok, prompt_ids, byte_ids):
     deltas, stopped = stream(IncrementalDetokenizer(tok, prompt_ids, ["cd", "bcd"]), by_bytes(byte_ids, "abcdef"))
     assert stopped == 3 and "".join(deltas) == "a"
@@ -236,6 +252,14 @@ def test_engine_stop_string(eng):
     out = eng.generate([prompt], p)[0]
     assert out.finish_reason == "stop" and out.text == full.text[:cut]
     assert full.token_ids[: len(out.token_ids)] == out.token_ids and len(out.token_ids) < 32
+    # min_tokens: the token that completes the stop string may end the request only if it is not among the first
+    k = len(out.token_ids)
+    same = eng.generate([prompt], replace(p, min_tokens=k - 1))[0]
+    assert (same.token_ids, same.text, same.finish_reason) == (out.token_ids, out.text, "stop")
+    late = eng.generate([prompt], replace(p, min_tokens=k))[0]
+    assert late.text.startswith(full.text[: cut + len(stop)])
+    assert late.token_ids == full.token_ids[: len(late.token_ids)]
+    assert late.finish_reason == "length" or late.text.count(stop) == 1  # a later one ends it
 
 
 # -- DecodeStream and the Python decoding side by side ---------------------------------------------

@@ -34,6 +34,9 @@ def _requests(stop: str) -> list[tuple[str, list[int], SamplingParams]]:
                                                         ignore_eos=True)),
         ("stop", _prompt(5), SamplingParams(max_tokens=N, temperature=0.0, stop=[stop], ignore_eos=True)),
         ("logprobs", _prompt(6), SamplingParams(max_tokens=N, temperature=0.0, logprobs=2, ignore_eos=True)),
+        # the stop string shows up in its first min_tokens: ignored there, in the resumed engine too
+        ("min-tokens", _prompt(5), SamplingParams(max_tokens=N, temperature=0.0, stop=[stop], min_tokens=N - 4,
+                                                  ignore_eos=True)),
     ]
 
 
@@ -88,6 +91,7 @@ def test_resumed_requests_go_on_as_if_nothing_happened(make, resume_after):
         assert given[rid][1] + after[rid][1] == text, rid
         assert after[rid][3] == reason, rid
     assert clean["stop"][3] == "stop" and stop not in clean["stop"][1]  # the stop string matched after the resume
+    assert stop in clean["min-tokens"][1] and len(clean["min-tokens"][0]) > N - 4
     second.check_integrity()
     assert second.stats()["num_free_kv_blocks"] == second.stats()["num_kv_blocks"]
 

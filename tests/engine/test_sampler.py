@@ -373,6 +373,55 @@ def test_eos_is_respected_unless_ignore_eos(eng, ref):
     assert ignored.finish_reason == "length" and ignored.token_ids == ref
 
 
+def test_min_tokens_holds_back_eos_and_stop_token_ids(eng, ref, hf_model):
+    """The first min_tokens tokens are never EOS or a stop token id: the sampler masks them (the greedy token is then
+    the model's best other one), and after them they stop the request again."""
+    i = _first_fresh(ref, 2)
+    prompt_ids = eng.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    saved = eng.eos_token_ids
+    try:
+        eng.eos_token_ids = {ref[i]}  # the model's own greedy choice at i is EOS
+        by_eos, by_id, ignored = eng.generate([PROMPT] * 3, [
+            SamplingParams(max_tokens=N, temperature=0.0, min_tokens=i + 1),
+            greedy(stop_token_ids=[ref[i]], min_tokens=i + 1),
+            greedy(min_tokens=i + 1),  # ignore_eos: EOS is no stop, so nothing is held back
+        ])
+        early = eng.generate([PROMPT], SamplingParams(max_tokens=N, temperature=0.0, min_tokens=i))[0]
+    finally:
+        eng.eos_token_ids = saved
+    assert ignored.token_ids == ref
+    assert early.finish_reason == "stop" and early.token_ids == ref[: i + 1]  # token i+1 may end it again
+    logits = _hf_logprobs(hf_model, prompt_ids + ref[:i])[-1].clone()
+    logits[ref[i]] = float("-inf")
+    for out in (by_eos, by_id):
+        assert out.token_ids[: i + 1] == ref[:i] + [int(logits.argmax())], "the next best token, in EOS's place"
+        assert len(out.token_ids) > i + 1 and ref[i] not in out.token_ids[: i + 1]
+        assert out.finish_reason == "length" or out.token_ids.index(ref[i]) == len(out.token_ids) - 1
+
+
+def test_min_tokens_holds_back_stop_tokens_under_sampling(eng):
+    """Seeded sampling with half the vocabulary as stop token ids: none of them among the first min_tokens tokens
+    (without the minimum, a request of these ends at once)."""
+    vocab = eng.model_config.vocab_size
+    banned = list(range(3, vocab, 2))
+    ps = [SamplingParams(max_tokens=N, temperature=1.5, seed=s, stop_token_ids=banned, min_tokens=10, ignore_eos=True)
+          for s in range(4)]
+    outs = eng.generate([PROMPT] * 4, ps)
+    free = eng.generate([PROMPT] * 4, [SamplingParams(**{**p.__dict__, "min_tokens": 0}) for p in ps])
+    assert sum(len(o.token_ids) for o in free) < 4 * 10  # (the ban is what keeps them going)
+    for o in outs:
+        assert not set(o.token_ids[:10]) & set(banned), o.token_ids
+        assert len(o.token_ids) > 10 and (o.finish_reason == "length" or o.token_ids[-1] in banned)
+
+
+def test_min_tokens_must_not_exceed_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)
+    assert SamplingParams(max_tokens=None, min_tokens=5).min_tokens == 5
+
+
 # ---- sample(): no sort, the nucleus by rejection ----------------------------------------------------------
 SAMPLE_CASES = [  # (top_k, top_p, min_p)
     (0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (0, 0.9, 0.0), (4, 0.8, 0.0), (0, 1.0, 0.2), (5, 0.7, 0.1), (1, 1.0, 0.0),

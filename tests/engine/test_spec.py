@@ -61,6 +61,12 @@ def test_drafts_fit_max_tokens_and_context_and_skip_penalties():
     assert spec.draft(_req(ids, max_tokens=3)) == [3, 4]  # three more tokens at most: two drafts and one drawn
     assert Speculation(cfg, max_model_len=10).draft(_req(ids)) == [3]
     assert spec.draft(_req(ids, presence_penalty=0.5)) == []
+    held = _req(ids[:6], min_tokens=2, stop_token_ids=[9])
+    held.min_tokens_banned = [9]  # (as the engine sets it): a draft position's ban would depend on the drafts before it
+    held.token_ids += [1]  # one token out
+    assert spec.draft(held) == []
+    held.token_ids += [2]  # two: no more ban
+    assert spec.draft(held) == [3, 4, 5, 6]
 
 
 def test_back_off_after_misses_and_growth_after_hits():
@@ -255,7 +261,10 @@ def test_stop_inside_a_verified_draft(tiny_model_dir):
     stop_text = ref.text[len(ref.text) // 2: len(ref.text) // 2 + 3]
     cases = [SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]),
              SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, stop=[stop_text]),
-             SamplingParams(max_tokens=203, temperature=0.0, ignore_eos=True)]
+             SamplingParams(max_tokens=203, temperature=0.0, ignore_eos=True),
+             # with min_tokens: the stop token held back (no drafts meanwhile), and a stop string ignored, in drafts too
+             SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=160),
+             SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, stop=[stop_text], min_tokens=200)]
     spec_eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, speculative="ngram",
                                       speculative_adaptive=False))
     for p in cases:

@@ -90,7 +90,7 @@ def test_logprob_bytes_join_to_the_text(client: openai.OpenAI, model: str) -> No
 
 
 def test_null_means_the_default_and_vllm_extensions(main_server: Server, client: openai.OpenAI, model: str) -> None:
-    """OpenAI's nullable fields take null as leaving them out; vLLM's `stop_token_ids` and
+    """OpenAI's nullable fields take null as leaving them out; vLLM's `stop_token_ids`, `min_tokens` and
     `include_stop_str_in_output` work; its other parameters that would change the output are refused, not ignored
     (the values that change nothing pass)."""
     chat = {"model": model, "messages": MESSAGES, "max_tokens": 4}
@@ -100,7 +100,7 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
                                                  "stream": None, "echo": None, "logprobs": None})):
             r = http.post(route, json=body)
             assert r.status_code == 200, r.text
-        for name, value in (("min_tokens", 5), ("structured_outputs", {"json": {"type": "object"}}),
+        for name, value in (("structured_outputs", {"json": {"type": "object"}}),
                             ("allowed_token_ids", [5]), ("bad_words", ["o"]),
                             ("use_beam_search", True), ("prompt_logprobs", 1), ("chat_template", "{{ x }}")):
             r = http.post("/v1/chat/completions", json={**chat, name: value})
@@ -126,6 +126,14 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
     r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0.0,
                                        extra_body={"ignore_eos": True, "stop_token_ids": every})
     assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    # min_tokens: the stop ids cannot come among the first; the one id left is drawn until then
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0.0,
+                                       extra_body={"ignore_eos": True, "stop_token_ids": every[:-1], "min_tokens": 3})
+    assert r.usage.completion_tokens > 3
+    with httpx.Client(base_url=main_server.url, timeout=60) as http:
+        for extra in ({"min_tokens": 9}, {"min_tokens": 3, "stop_token_ids": every}):  # more than max_tokens; nothing
+            r = http.post("/v1/chat/completions", json={**chat, "max_tokens": 8, "ignore_eos": True, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
 
 
 def test_completions_stream_equals_non_stream(client: openai.OpenAI, model: str) -> None:
@@ -229,8 +237,8 @@ def test_metrics_match_requests(main_server: Server, client: openai.OpenAI, mode
     assert delta("sluice_time_to_first_token_seconds_count") == n
     assert delta("sluice_queue_time_seconds_count") == n
     # one gap per request per loop turn that brought it tokens: steps the loop takes together (a busy loop, a
-    # loaded machine) are one gap, so at most tokens - 1 each, and at least one
-    assert n <= delta("sluice_inter_token_latency_seconds_count") <= n * (tokens - 1)
+    # loaded machine) are one gap, so at most tokens - 1 each (and a request whose tokens all came in one turn has none)
+    assert 1 <= delta("sluice_inter_token_latency_seconds_count") <= n * (tokens - 1)
     assert delta("sluice_num_steps_total") >= tokens
     assert delta("sluice_prefix_cache_queries_total") > 0
     assert after[("sluice_num_running", ())] == 0.0

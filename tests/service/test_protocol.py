@@ -23,7 +23,8 @@ def test_each_client_message_decodes() -> None:
         "type": "chat", "id": "c1", "messages": [{"role": "system", "content": "Be terse."},
                                                  {"role": "user", "content": "Hello"}],
         "max_tokens": 256, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
-        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "seed": 42, "stop": ["\n\n"], "ignore_eos": False}))
+        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "seed": 42, "stop": ["\n\n"], "ignore_eos": False,
+        "min_tokens": 2}))
     assert isinstance(chat, Chat) and chat.id == "c1" and chat.max_tokens == 256
     assert chat.message_dicts()[1] == {"role": "user", "content": "Hello"}
     assert chat.sampling_kwargs()["stop"] == ["\n\n"] and "max_tokens" not in chat.sampling_kwargs()
@@ -49,6 +50,8 @@ def test_bad_frames_become_errors_that_say_what_is_wrong() -> None:
         '{"type": "chat", "id": "a", "messages": [{"role": "bot", "content": "x"}]}': ("invalid_message", "a", "role"),
         '{"type": "chat", "id": "a", "messages": [{"role": "user", "content": "x"}], "top_p": 0}':
             ("invalid_message", "a", "top_p"),
+        '{"type": "chat", "id": "a", "messages": [{"role": "user", "content": "x"}], "min_tokens": -1}':
+            ("invalid_message", "a", "min_tokens"),
         '{"type": "chat", "id": "a", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}':
             ("invalid_message", "a", "max_tokens"),
         '{"type": "chat", "id": "a", "messages": [{"role": "user", "content": "x"}], "stop": [""]}':

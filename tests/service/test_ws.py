@@ -133,6 +133,9 @@ async def test_every_frame_error_code_keeps_the_connection(main_server: Server) 
     await send(ws, type="chat", id="t", messages=[{"role": "user", "content": "hi"}], temperature=-1)
     msg = await expect_error("invalid_message", "t")
     assert "temperature" in msg["message"]
+    await send(ws, type="chat", id="t", messages=[{"role": "user", "content": "hi"}], max_tokens=3, min_tokens=4)
+    msg = await expect_error("invalid_message", "t")
+    assert "min_tokens" in msg["message"] and msg.get("param", "min_tokens") == "min_tokens"
     await send(ws, type="chat", id="", messages=[{"role": "user", "content": "hi"}])
     await expect_error("invalid_message")
     await send(ws, type="chat", id="t", messages=[])
