@@ -253,8 +253,11 @@ class LLMEngine:
                                      f"max_tokens asks for {params.max_tokens} more (at most {room} fit)", "max_tokens")
         req = Request(request_id, ids, params, min(max_tokens, room))
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidSamplingParam("logit_bias", f"logit_bias: token id {max(params.logit_bias)} is not in the "
+                                       f"vocabulary (0..{vocab - 1})")
         if params.min_tokens:
-            vocab = self.model_config.vocab_size
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             req.min_tokens_banned = sorted(t for t in banned if 0 <= t < vocab) or None
             if req.min_tokens_banned is not None and len(req.min_tokens_banned) == vocab:

@@ -51,6 +51,9 @@ class SamplingParams:
     # (vLLM's) the first min_tokens tokens never end the request: EOS and stop_token_ids cannot be sampled while
     # fewer have been generated, and stop strings are looked for only in the text of the tokens after them
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None  # (OpenAI's) token id -> a bias in [-100, 100] added to its logit
+    # any of penalties, logit_bias or min_tokens: the sampler adjusts this request's logits (set from the others)
+    adjusts_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def need(ok: bool, param: str, rule: str) -> None:
@@ -72,11 +75,15 @@ class SamplingParams:
         need(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        need(not self.logit_bias or all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                                        for t, b in self.logit_bias.items()),
+             "logit_bias", "must map token ids (>= 0) to biases in [-100, 100]")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.top_k == -1:
             self.top_k = 0
         if self.temperature < SAMPLING_EPS:  # (as vLLM) dividing by it would overflow the logits: greedy is its limit
             self.temperature = 0.0
+        self.adjusts_logits = self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

@@ -56,6 +56,26 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
         flat_logits[keys] -= per_row("frequency_penalty")[row] * counts.to(dt) + per_row("presence_penalty")[row]
 
 
+def apply_biases(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """In place: each request's `logit_bias` added to its row, and while `min_tokens` holds it back, -inf on the
+    tokens that would end it (EOS, stop_token_ids). One scatter for the whole batch, over those (row, token) pairs."""
+    V = logits.shape[1]
+    keys: list[int] = []
+    values: list[float] = []
+    for i, r in enumerate(reqs):
+        if not r.params.adjusts_logits:
+            continue
+        if r.params.logit_bias:
+            keys += [i * V + t for t in r.params.logit_bias]
+            values += r.params.logit_bias.values()
+        if r.min_tokens_banned is not None and r.below_min_tokens():
+            keys += [i * V + t for t in r.min_tokens_banned]
+            values += [float("-inf")] * len(r.min_tokens_banned)
+    if keys:  # (accumulated: a token both biased and banned is -inf)
+        dev = logits.device
+        logits.view(-1).index_put_((torch.tensor(keys, device=dev),), torch.tensor(values, device=dev), accumulate=True)
+
+
 def filter_logits(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
     use_top_k_p: bool = True, use_min_p: bool = True,
@@ -227,17 +247,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: (N, V) float32, one row per request in `reqs`. Returns token ids and logprobs."""
         logits = logits.float()
-        raw = logits
-        if any(r.params.has_penalties for r in reqs):
-            logits = logits.clone(memory_format=torch.contiguous_format)  # (apply_penalties works on its flat view)
+        raw = logits  # (logprobs are the model's: before penalties, biases, bans and temperature)
+        if any(r.params.adjusts_logits for r in reqs):
+            logits = logits.clone(memory_format=torch.contiguous_format)  # (they work on its flat view)
             apply_penalties(logits, reqs)
-        banned = [(i, r.min_tokens_banned) for i, r in enumerate(reqs)
-                  if r.min_tokens_banned is not None and r.below_min_tokens()]
-        if banned:  # min_tokens: EOS and the stop token ids cannot come yet (their logprobs are the model's)
-            logits = logits.clone() if logits is raw else logits
-            rows = torch.tensor(list(chain.from_iterable([i] * len(ids) for i, ids in banned)), device=logits.device)
-            cols = torch.tensor(list(chain.from_iterable(ids for _, ids in banned)), device=logits.device)
-            logits[rows, cols] = float("-inf")
+            apply_biases(logits, reqs)
         greedy_tokens = logits.argmax(-1)
         tokens = greedy_tokens.clone()
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -259,8 +273,8 @@ class Sampler:
         len(r.draft) of them, the last the usual next-token row and each one before it the row that predicts a draft
         token. Returns each request's new tokens (the draft tokens kept, then one drawn at the first rejection or
         after the last draft token) and their logprobs if it asked for them. A request without a draft samples as
-        `__call__` does. Requests with a draft have no penalties and no tokens banned by min_tokens (engine/spec.py
-        never drafts for them)."""
+        `__call__` does. Requests with a draft have no penalties, no logit bias and no tokens banned by min_tokens
+        (engine/spec.py never drafts for them)."""
         logits = logits.float()
         width = [1 + len(r.draft) for r in reqs]
         start = [0]

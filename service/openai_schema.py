@@ -51,8 +51,9 @@ class CommonRequest(Struct):
     stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=1024)] | None = None
     include_stop_str_in_output: bool | None = None
     min_tokens: MinTokens | None = None
+    # token ids (as strings: JSON's keys) -> a bias added to the token's logit
+    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)] | None = None
     # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
-    logit_bias: Any = None
     response_format: Any = None
     # vLLM's extensions (its sampling and structured-output parameters)
     guided_json: Any = None
@@ -80,6 +81,11 @@ class CommonRequest(Struct):
             kwargs["stop_token_ids"] = self.stop_token_ids
         if self.include_stop_str_in_output:
             kwargs["include_stop_str_in_output"] = True
+        if self.logit_bias:
+            if not all(re.fullmatch(r"[0-9]{1,10}", k) for k in self.logit_bias):
+                raise HTTPError(400, "logit_bias: each key must be a token id (a decimal integer)", param="logit_bias",
+                                code="invalid_message")
+            kwargs["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         return kwargs
 
 
@@ -121,7 +127,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_regex": ((), "no guided decoding"),
     "guided_choice": ((), "no guided decoding"),
     "guided_grammar": ((), "no guided decoding"),
-    "logit_bias": (({},), "no logit bias"),
     "audio": ((), "text output only"),
     "modalities": ((["text"],), "text output only"),
     "echo": ((False,), "the prompt is not echoed"),
@@ -205,6 +210,7 @@ _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
 def _param_of(message: str) -> str | None:
-    """OpenAI's `param` from a msgspec error: `messages[0].role` for "... - at `$.messages[0].role`"."""
+    """OpenAI's `param` from a msgspec error: `messages[0].role` for "... - at `$.messages[0].role`"; a map's value
+    (msgspec's `[...]`) is its field's: `logit_bias`."""
     at, missing = _AT.search(message), _MISSING.search(message)
-    return ".".join(m.group(1) for m in (at, missing) if m and m.group(1)) or None
+    return ".".join(m.group(1) for m in (at, missing) if m and m.group(1)).replace("[...]", "") or None

@@ -24,6 +24,11 @@ FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
     ({"repetition_penalty": 0.0}, "SamplingParams: repetition_penalty must be > 0, got 0.0"),
     ({"stop": ["ok", ""]}, "SamplingParams: stop must be a list of non-empty strings"),
     ({"logprobs": 21}, "SamplingParams: logprobs must be in [0, 20], got 21"),
+    ({"min_tokens": -1}, "SamplingParams: min_tokens must be >= 0, got -1"),
+    ({"logit_bias": {5: 101.0}}, "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
+    ({"logit_bias": {-1: 1.0}}, "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
+    ({"logit_bias": {5: float("nan")}},
+     "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
 ])
 def test_out_of_range_names_its_field(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidSamplingParam) as info:

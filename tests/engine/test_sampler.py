@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, InvalidSamplingParam, LLMEngine, SamplingParams
 from engine.request import Request
 from engine import sampler as sampler_mod
 from engine.sampler import apply_penalties, filter_logits
@@ -407,11 +408,33 @@ def test_min_tokens_holds_back_stop_tokens_under_sampling(eng):
     ps = [SamplingParams(max_tokens=N, temperature=1.5, seed=s, stop_token_ids=banned, min_tokens=10, ignore_eos=True)
           for s in range(4)]
     outs = eng.generate([PROMPT] * 4, ps)
-    free = eng.generate([PROMPT] * 4, [SamplingParams(**{**p.__dict__, "min_tokens": 0}) for p in ps])
+    free = eng.generate([PROMPT] * 4, [replace(p, min_tokens=0) for p in ps])
     assert sum(len(o.token_ids) for o in free) < 4 * 10  # (the ban is what keeps them going)
     for o in outs:
         assert not set(o.token_ids[:10]) & set(banned), o.token_ids
         assert len(o.token_ids) > 10 and (o.finish_reason == "length" or o.token_ids[-1] in banned)
+
+
+def test_logit_bias_moves_the_draw_and_only_its_own_row(eng, ref, hf_model):
+    """OpenAI's logit_bias: -100 takes the greedy token out (the model's next best comes), +100 makes a token win
+    every step, greedy or sampled; the logprobs stay the model's; batch mates are untouched."""
+    prompt_ids = eng.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    favourite = next(t for t in range(1023, 3, -1) if t not in ref)
+    banned, forced, sampled, plain = eng.generate([PROMPT] * 4, [
+        greedy(logit_bias={ref[0]: -100.0}, logprobs=1),
+        greedy(logit_bias={favourite: 100.0, ref[0]: 5.0}),
+        SamplingParams(max_tokens=N, temperature=1.0, seed=3, ignore_eos=True, logit_bias={favourite: 100.0}),
+        greedy(logprobs=1)])
+    assert plain.token_ids == ref
+    logits = _hf_logprobs(hf_model, prompt_ids)[-1].clone()
+    logits[ref[0]] -= 100.0
+    assert banned.token_ids[0] == int(logits.argmax()) != ref[0]
+    own = float(_hf_logprobs(hf_model, prompt_ids)[-1][banned.token_ids[0]])
+    assert banned.logprobs[0].logprob == pytest.approx(own, abs=1e-4)  # the model's own logprob
+    assert forced.token_ids == sampled.token_ids == [favourite] * N
+    with pytest.raises(InvalidSamplingParam) as info:
+        eng.add_request("oov", PROMPT, greedy(logit_bias={eng.model_config.vocab_size: 1.0}))
+    assert info.value.param == "logit_bias" and "oov" not in eng.requests
 
 
 def test_min_tokens_must_not_exceed_max_tokens():

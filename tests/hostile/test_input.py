@@ -258,7 +258,10 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
     ("/v1/chat/completions", {"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "unsupported_parameter", "functions"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
-    ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "unsupported_parameter", "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "invalid_message", "logit_bias"),  # not in the vocabulary
+    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "invalid_message", "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"five": 1}}, "invalid_message", "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"-5": 1}}, "invalid_message", "logit_bias"),
     ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "unsupported_parameter", "guided_json"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "unsupported_parameter",
      "messages[0].role"),
@@ -267,7 +270,7 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
     ("/v1/completions", {"prompt": "x", "echo": True}, "unsupported_parameter", "echo"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "unsupported_parameter", "best_of"),
     ("/v1/completions", {"prompt": [[1], [2]]}, "invalid_message", "prompt"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 1}}, "unsupported_parameter", "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": "high"}}, "invalid_message", "logit_bias"),
 ]
 
 

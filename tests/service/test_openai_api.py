@@ -130,6 +130,11 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
     r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0.0,
                                        extra_body={"ignore_eos": True, "stop_token_ids": every[:-1], "min_tokens": 3})
     assert r.usage.completion_tokens > 3
+    # logit_bias (OpenAI's own): +100 makes one token win every step, sampled or not
+    names = [client.completions.create(model=model, prompt="hi", max_tokens=5, temperature=1.0, seed=1, logprobs=0,
+                                       logit_bias={str(t): 100}, extra_body={"ignore_eos": True})
+             .choices[0].logprobs.tokens for t in (700, 701)]
+    assert [len(n) for n in names] == [5, 5] and len(set(names[0])) == len(set(names[1])) == 1 and names[0] != names[1]
     with httpx.Client(base_url=main_server.url, timeout=60) as http:
         for extra in ({"min_tokens": 9}, {"min_tokens": 3, "stop_token_ids": every}):  # more than max_tokens; nothing
             r = http.post("/v1/chat/completions", json={**chat, "max_tokens": 8, "ignore_eos": True, **extra})
