@@ -258,7 +258,7 @@ class LLMEngine:
             raise InvalidSamplingParam("logit_bias", f"logit_bias: token id {max(params.logit_bias)} is not in the "
                                        f"vocabulary (0..{vocab - 1})")
         if params.min_tokens:
-            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            banned = set(params.stop_token_ids) | self.eos_token_ids  # (as vLLM: EOS even when ignored)
             req.min_tokens_banned = sorted(t for t in banned if 0 <= t < vocab) or None
             if req.min_tokens_banned is not None and len(req.min_tokens_banned) == vocab:
                 raise InvalidSamplingParam("min_tokens", "min_tokens: every token of the vocabulary ends the request "
@@ -606,7 +606,7 @@ class LLMEngine:
         runs): only a request with stop strings needs its text here, where it decides the finish."""
         p, e = req.params, _Emit(req)
         for i, token in enumerate(tokens):
-            stops = not req.below_min_tokens()  # (one of the first min_tokens never ends the request)
+            stops = not p.min_tokens or not req.below_min_tokens()  # (one of the first min_tokens never ends it)
             req.token_ids.append(token)
             self.generation_tokens += 1
             e.token_ids.append(token)
@@ -716,6 +716,7 @@ class LLMEngine:
             self._aborted = [o for o in self._aborted if o.request_id not in ids]
             raise
         acc: dict[str, CompletionOutput] = {}
+        texts: dict[str, list[str]] = {}  # (joined at the end: a growing string would be copied every step)
         pending = set(ids)
         while pending:
             for o in self.step():
@@ -723,13 +724,16 @@ class LLMEngine:
                     continue
                 c = acc.setdefault(o.request_id, CompletionOutput(o.request_id, [], "", "", o.num_prompt_tokens, 0, None))
                 c.token_ids += o.new_token_ids
-                c.text += o.text_delta
+                texts.setdefault(o.request_id, []).append(o.text_delta)
                 c.num_cached_tokens = o.num_cached_tokens
                 if o.logprobs:
-                    c.logprobs = (c.logprobs or []) + o.logprobs
+                    c.logprobs = c.logprobs or []
+                    c.logprobs += o.logprobs
                 if o.finished:
                     c.finish_reason = o.finish_reason or "abort"
                     pending.discard(o.request_id)
+        for rid, c in acc.items():
+            c.text = "".join(texts[rid])
         return [acc[i] for i in ids]
 
     def pin_prefix(self, token_ids: list[int]) -> int:
@@ -824,9 +828,9 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
     req.token_ids += out
     for i, token in enumerate(out):  # the same text as the engine that made them: the detokenizer is deterministic
         req.detok.add_token(token, i >= req.params.min_tokens)
-    if ckpt.num_text_chars > len(req.detok.text):
+    if ckpt.num_text_chars > req.detok.num_chars:
         raise ValueError(f"a checkpoint claims {ckpt.num_text_chars} characters of text; its tokens make "
-                         f"{len(req.detok.text)}")
+                         f"{req.detok.num_chars}")
     req.detok.emitted = ckpt.num_text_chars
     if ckpt.rng_state is not None and req.generator is not None:
         req.generator.set_state(ckpt.rng_state)

@@ -48,8 +48,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
     include_stop_str_in_output: bool = False  # the text ends after a matched stop string instead of before it
-    # (vLLM's) the first min_tokens tokens never end the request: EOS and stop_token_ids cannot be sampled while
-    # fewer have been generated, and stop strings are looked for only in the text of the tokens after them
+    # (vLLM's) the first min_tokens tokens never end the request: EOS (even with ignore_eos) and stop_token_ids cannot
+    # be sampled while fewer have been generated, and stop strings are looked for only in the text of later tokens
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None  # (OpenAI's) token id -> a bias in [-100, 100] added to its logit
     # any of penalties, logit_bias or min_tokens: the sampler adjusts this request's logits (set from the others)
@@ -137,8 +137,8 @@ class Request:
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
         self.generator = None  # engine.sampler.SeededStream when params.seed is set
         self.prompt_tokens = None  # the sampler's: the prompt's distinct token ids on the device (repetition penalty)
-        # the tokens `params.min_tokens` keeps the sampler from drawing until that many are out (EOS unless ignored,
-        # stop_token_ids), set by the engine; None when there is no minimum (or nothing to keep out)
+        # the tokens `params.min_tokens` keeps the sampler from drawing until that many are out (EOS, stop_token_ids),
+        # set by the engine; None when there is no minimum (or nothing to keep out)
         self.min_tokens_banned: list[int] | None = None
         # async scheduling (engine.py): trailing entries of token_ids sampled by a step still running, their values
         # not known yet (PLACEHOLDER); the next step is scheduled as if they were (it reads them on the device)

@@ -167,7 +167,7 @@ def test_stop_string_spanning_tokens_is_held_back_then_cut(tok, prompt_ids, byte
         shown.append(detok.delta(False))
     assert shown == ["g", "o", " ", "", "", ""]  # "S", "ST", "STO" could begin the stop: held back
     assert detok.add_token(byte_ids[ord("P")])
-    assert detok.delta(True) == "" and detok.text == "go "
+    assert detok.delta(True) == "" and "".join(shown) == "go " and detok.num_chars == 3
 
 
 def test_a_stop_string_kept_in_the_output_ends_it(tok, prompt_ids, byte_ids):
@@ -175,7 +175,7 @@ def test_a_stop_string_kept_in_the_output_ends_it(tok, prompt_ids, byte_ids):
     (the rest of the token that completed it) is."""
     detok = IncrementalDetokenizer(tok, prompt_ids, ["STOP", "OP!"], include_stop=True)
     deltas, stopped = stream(detok, by_bytes(byte_ids, "go STOP!!"))
-    assert stopped == 6 and "".join(deltas) == detok.text == "go STOP"
+    assert stopped == 6 and "".join(deltas) == "go STOP" and detok.num_chars == 7
     ids = tok(" hello world", add_special_tokens=False)["input_ids"]
     deltas, _ = stream(IncrementalDetokenizer(tok, prompt_ids, ["llo"], include_stop=True), ids)
     assert "".join(deltas) == " hello"  # matched inside one token: cut after the match, not the token
@@ -214,6 +214,20 @@ def test_stop_strings_only_after_min_tokens(tok, prompt_ids, byte_ids, min_token
     deltas, at = stream(IncrementalDetokenizer(tok, prompt_ids, stops), by_bytes(byte_ids, "the cat sat on the mat"),
                         min_tokens)
     assert at == stopped and "".join(deltas) == text
+
+
+@pytest.mark.parametrize("stops", [[], ["xyz!", "q"]])
+def test_the_text_kept_is_what_is_not_shown_yet_and_a_stop_strings_length_before_it(tok, prompt_ids, byte_ids, stops):
+    """A long output's text is not kept whole (appending to it would copy it every token): only what waits, and
+    with stop strings the characters where one may begin."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, stops)
+    text = "hello world, xyz and then some " * 100
+    shown = []
+    for t in by_bytes(byte_ids, text):
+        assert not detok.add_token(t)
+        shown.append(detok.delta(False))
+        assert len(detok.buf) <= detok.num_chars - detok.emitted + max((len(s) - 1 for s in stops), default=0)
+    assert "".join(shown) + detok.delta(True) == text and detok.num_chars == len(text)
 
 
 def test_earliest_stop_wins(tok, prompt_ids, byte_ids):

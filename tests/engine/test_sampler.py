@@ -385,16 +385,16 @@ def test_min_tokens_holds_back_eos_and_stop_token_ids(eng, ref, hf_model):
         by_eos, by_id, ignored = eng.generate([PROMPT] * 3, [
             SamplingParams(max_tokens=N, temperature=0.0, min_tokens=i + 1),
             greedy(stop_token_ids=[ref[i]], min_tokens=i + 1),
-            greedy(min_tokens=i + 1),  # ignore_eos: EOS is no stop, so nothing is held back
+            greedy(min_tokens=i + 1),  # ignore_eos: EOS ends nothing, and is held back all the same (as vLLM)
         ])
         early = eng.generate([PROMPT], SamplingParams(max_tokens=N, temperature=0.0, min_tokens=i))[0]
     finally:
         eng.eos_token_ids = saved
-    assert ignored.token_ids == ref
+    assert ignored.token_ids[:i] == ref[:i] and ignored.token_ids[i] != ref[i]
     assert early.finish_reason == "stop" and early.token_ids == ref[: i + 1]  # token i+1 may end it again
     logits = _hf_logprobs(hf_model, prompt_ids + ref[:i])[-1].clone()
     logits[ref[i]] = float("-inf")
-    for out in (by_eos, by_id):
+    for out in (by_eos, by_id, ignored):
         assert out.token_ids[: i + 1] == ref[:i] + [int(logits.argmax())], "the next best token, in EOS's place"
         assert len(out.token_ids) > i + 1 and ref[i] not in out.token_ids[: i + 1]
         assert out.finish_reason == "length" or out.token_ids.index(ref[i]) == len(out.token_ids) - 1

@@ -26,7 +26,7 @@ def test_enter_sends_answer_streams_in_steps_and_footer_shows_stats(ui):
     assert page.locator("#transcript .msg.user .body").text_content() == "line one\nline two"
 
     answer = ui.last_answer()
-    expect(answer).to_have_attribute("data-status", "done", timeout=600_000)  # (LONG tokens: ~15 s here)
+    expect(answer).to_have_attribute("data-status", "done", timeout=400_000)  # (LONG tokens: ~15 s here)
     expect(answer).to_have_attribute("aria-busy", "false")
     busy = page.evaluate("window.__busy")
     assert "true" in busy[:-1], f"the answer should be aria-busy while it grows, saw {busy}"

@@ -49,11 +49,11 @@ def test_default_model_answers_in_readable_text(browser, default_server, artifac
         page.fill("#max_tokens", "160")
         page.locator("#temperature").evaluate("(el) => { el.value = '0'; el.dispatchEvent(new Event('input')); }")
         page_ui.send("Quote this back to me exactly:\n\nThe suite is executed once for each item provided by the iterator.")
-        expect(page_ui.last_answer()).to_have_attribute("data-status", "done", timeout=300_000)
+        expect(page_ui.last_answer()).to_have_attribute("data-status", "done", timeout=200_000)
         page.click("#new-chat")
         page.select_option("#preset", "none")
         page_ui.send('How does the "for" statement work?')  # the screenshot's chat
-        expect(page_ui.last_answer()).to_have_attribute("data-status", "done", timeout=300_000)
+        expect(page_ui.last_answer()).to_have_attribute("data-status", "done", timeout=200_000)
         texts = [f["text"] for f in page_ui.received if f.get("type") == "delta"]
         text = "".join(texts)
         assert len(re.findall(r"[A-Za-z]+", text)) >= 20, text
