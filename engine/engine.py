@@ -233,7 +233,7 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *, fit_max_tokens: bool = True,
-        resume: Checkpoint | None = None,
+        resume: Checkpoint | None = None, add_special_tokens: bool = True,
     ) -> None:
         """Raises `PromptTooLongError` if the prompt leaves no room for a token, `ValueError` if it is bad.
 
@@ -241,11 +241,13 @@ class LLMEngine:
         with `fit_max_tokens`, else refused (`PromptTooLongError`). A str is tokenized here, on the engine
         thread; a server tokenizes on its own thread and passes ids. `resume`: the request ran in another engine
         (same model and config) and its caller has what the checkpoint holds; it goes on from there, its outputs
-        recomputed as a preempted request's are, and what comes out next is what that engine would have sent."""
+        recomputed as a preempted request's are, and what comes out next is what that engine would have sent.
+        `add_special_tokens`: a str prompt is tokenized with the special tokens its tokenizer adds to a text (a BOS),
+        as Hugging Face's tokenizers and vLLM do."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.processor.prompt_ids(prompt, chat=False)
+        ids = self.processor.prompt_ids(prompt, chat=False, add_special_tokens=add_special_tokens)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room and not fit_max_tokens:

@@ -38,25 +38,32 @@ class InputProcessor:
             log.warning("the chat template's tokens per message could not be measured: prompts with many short "
                         "messages are only bounded by their characters before they are tokenized")
 
-    def chat_ids(self, messages: Messages) -> list[int]:
-        """The chat template applied to `messages`, with the generation prompt, tokenized. A message is a
+    def chat_ids(self, messages: Messages, add_special_tokens: bool = False) -> list[int]:
+        """The chat template applied to `messages`, with the generation prompt, tokenized (the template writes the
+        special tokens it wants: the tokenizer's own, a BOS say, are added only if asked). A message is a
         `{"role", "content"}` dict or any object with those attributes (a server's wire type)."""
         messages = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def text_ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text` tokenized, with the special tokens the tokenizer adds to a text (Llama's BOS; none for many), as
+        Hugging Face's tokenizers and vLLM's completions do by default: a model trained with them expects them."""
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def tokenize(self, prompt: Messages | str | list[int], chat: bool) -> list[int]:
-        """Token ids of a prompt, unchecked: what a server's tokenizer thread does. Raises `ValueError` if the chat
-        template refuses the messages."""
+    def tokenize(self, prompt: Messages | str | list[int], chat: bool, add_special_tokens: bool | None = None
+                 ) -> list[int]:
+        """Token ids of a prompt, unchecked: what a server's tokenizer thread does. `add_special_tokens` (vLLM's):
+        the tokenizer's own special tokens (None: for a text, not for a chat, whose template writes them; token ids
+        are taken as they are). Raises `ValueError` if the chat template refuses the messages."""
         if chat:
             try:
-                return self.chat_ids(prompt)  # type: ignore[arg-type]
+                return self.chat_ids(prompt, bool(add_special_tokens))  # type: ignore[arg-type]
             except Exception as e:  # e.g. a template that rejects this sequence of roles
                 raise ValueError(f"cannot build the prompt: {e}") from None
-        return self.text_ids(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            return self.text_ids(prompt, add_special_tokens is not False)
+        return list(prompt)
 
     def check(self, ids: list[int]) -> list[int]:
         """`ids`, if they make a prompt: not empty, in the vocabulary, shorter than the context.
@@ -71,9 +78,10 @@ class InputProcessor:
                                      "tokens, leaving no room for a completion")
         return ids
 
-    def prompt_ids(self, prompt: Messages | str | list[int], chat: bool) -> list[int]:
-        """`check(tokenize(prompt, chat))`."""
-        return self.check(self.tokenize(prompt, chat))
+    def prompt_ids(self, prompt: Messages | str | list[int], chat: bool, add_special_tokens: bool | None = None
+                   ) -> list[int]:
+        """`check(tokenize(prompt, chat, add_special_tokens))`."""
+        return self.check(self.tokenize(prompt, chat, add_special_tokens))
 
     def system_prefix_ids(self, system_prompt: str) -> list[int]:
         """The templated tokens every conversation that opens with this system prompt shares (what to pin): the

@@ -131,7 +131,8 @@ class EngineBridge:
         self._handles[handle.request_id] = handle
         self._num_queued += 1
         future = self._tokenizing[handle.request_id] = asyncio.wrap_future(
-            self._tokenizer.submit(req.client, self._processor.tokenize, req.prompt, req.chat))
+            self._tokenizer.submit(req.client, self._processor.tokenize, req.prompt, req.chat,
+                                   req.add_special_tokens))
         future.add_done_callback(lambda f: self._tokenized(handle, req, f))
         return handle
 

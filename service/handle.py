@@ -46,6 +46,8 @@ class GenerateRequest:
     fit_max_tokens: bool = True  # cap max_tokens to the context the prompt leaves; False: refuse the request
     api: str = "ws"  # metrics label
     client: Hashable = None  # who asks (a WebSocket connection, an HTTP peer's address): the tokenizer takes turns
+    # the tokenizer's own special tokens (vLLM's add_special_tokens; None: for a text, not for a chat's template)
+    add_special_tokens: bool | None = None
 
 
 class RequestHandle:

@@ -116,7 +116,8 @@ async def chat_completions(request: Request) -> Response:
         params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs())
         req = GenerateRequest(prompt=chat_messages(body), chat=True, params=params, api="chat", client=_peer(request),
-                              fit_max_tokens=False)  # as OpenAI: more than the context leaves is a 400
+                              fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
+                              add_special_tokens=body.add_special_tokens)
         render = ChatRender(svc.model_name, body.logprobs)
         return await _generate(request, svc, req, render, body)
     except RequestError as e:
@@ -132,7 +133,7 @@ async def completions(request: Request) -> Response:
         _check_common(svc, body)
         params = sampling_params(max_tokens=body.max_tokens or 16, logprobs=body.logprobs, **body.sampling_kwargs())
         req = GenerateRequest(prompt=completion_prompt(body), chat=False, params=params, api="completions",
-                              client=_peer(request),
+                              client=_peer(request), add_special_tokens=body.add_special_tokens,
                               fit_max_tokens=body.max_tokens is None)  # the default 16 fits; one asked for must
         render = CompletionRender(svc.model_name, body.logprobs is not None)
         return await _generate(request, svc, req, render, body)

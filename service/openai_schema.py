@@ -51,6 +51,9 @@ class CommonRequest(Struct):
     stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=1024)] | None = None
     include_stop_str_in_output: bool | None = None
     min_tokens: MinTokens | None = None
+    # the tokenizer's own special tokens (a BOS): added to a completion's text prompt, not to a chat's (its template
+    # writes them); vLLM's defaults
+    add_special_tokens: bool | None = None
     # token ids (as strings: JSON's keys) -> a bias added to the token's logit
     logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)] | None = None
     # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored

@@ -34,6 +34,25 @@ def test_prompt_ids_checks(proc: InputProcessor) -> None:
         proc.prompt_ids([-1, 5], chat=False)
 
 
+def test_a_text_gets_the_tokenizers_special_tokens_a_chat_its_templates(bos_model_dir) -> None:
+    """As Hugging Face's tokenizers and vLLM: a text prompt is tokenized with the tokenizer's own special tokens (this
+    one's BOS), a chat as its template writes it; `add_special_tokens` says otherwise; token ids stay as they are."""
+    proc = InputProcessor(bos_model_dir, load_model_config(bos_model_dir).vocab_size, MAX_LEN)
+    bos = proc.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    chat = [{"role": "user", "content": "hi"}]
+    plain = proc.tokenize("hello", chat=False, add_special_tokens=False)
+    assert proc.tokenize("hello", chat=False) == [bos] + plain and bos not in plain
+    templated = proc.tokenize(chat, chat=True)
+    assert templated[0] != bos and proc.tokenize(chat, chat=True, add_special_tokens=True) == [bos] + templated
+    assert proc.tokenize([5, 6], chat=False, add_special_tokens=True) == [5, 6]
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    eng = LLMEngine(EngineConfig(model=str(bos_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=MAX_LEN))
+    eng.add_request("text", "hello", SamplingParams(max_tokens=1))
+    eng.add_request("bare", "hello", SamplingParams(max_tokens=1), add_special_tokens=False)
+    assert eng.requests["text"].token_ids == [bos] + plain and eng.requests["bare"].token_ids == plain
+
+
 def test_tokenize_does_not_check_the_engine_does(proc: InputProcessor) -> None:
     """A server's tokenizer thread only tokenizes; whether the ids make a prompt is the engine's call (`check`)."""
     too_long = proc.tokenize("x" * 1000, chat=False)

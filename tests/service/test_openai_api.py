@@ -10,8 +10,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.app import build_app
+from service.config import ServerConfig
 from tests.service.conftest import (
-    LONG, MAIN_ENGINE, TOO_LONG, Server, finished_requests, open_ws, wait_engine_idle, wait_running,
+    LONG, MAIN_ENGINE, TOO_LONG, Server, finished_requests, in_process, open_ws, wait_engine_idle, wait_running,
 )
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
@@ -249,3 +251,21 @@ def test_metrics_match_requests(main_server: Server, client: openai.OpenAI, mode
     assert after[("sluice_num_running", ())] == 0.0
     assert after[("sluice_num_kv_blocks", ())] == MAIN_ENGINE["num_kv_blocks"]
     assert ("sluice_websocket_connections", ()) in after
+
+
+def test_add_special_tokens_as_vllm(bos_model_dir) -> None:
+    """A completion's text prompt gets the tokenizer's special tokens (a Llama's BOS), a chat only its template's,
+    unless `add_special_tokens` says otherwise (vLLM's defaults and parameter)."""
+    config = ServerConfig(model=str(bos_model_dir), num_kv_blocks=128, max_model_len=256, engine_process=False)
+    with in_process(build_app(config), "bos-server") as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        def prompt_tokens(route: str, **body) -> int:
+            r = http.post(route, json={"model": bos_model_dir.name, "max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        text = {"prompt": "hello world"}
+        assert prompt_tokens("/v1/completions", **text) == prompt_tokens("/v1/completions", **text,
+                                                                           add_special_tokens=False) + 1
+        chat = {"messages": MESSAGES}
+        assert prompt_tokens("/v1/chat/completions", **chat) + 1 == prompt_tokens("/v1/chat/completions", **chat,
+                                                                                  add_special_tokens=True)
