@@ -256,9 +256,9 @@ class LLMEngine:
         req = Request(request_id, ids, params, min(max_tokens, room))
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
         vocab = self.model_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidSamplingParam("logit_bias", f"logit_bias: token id {max(params.logit_bias)} is not in the "
-                                       f"vocabulary (0..{vocab - 1})")
+        if params.logit_bias and (top := max(params.logit_bias)) >= vocab:
+            raise InvalidSamplingParam("logit_bias", f"logit_bias: token id {top} is not in the vocabulary "
+                                       f"(0..{vocab - 1})")
         if params.min_tokens:
             banned = set(params.stop_token_ids) | self.eos_token_ids  # (as vLLM: EOS even when ignored)
             req.min_tokens_banned = sorted(t for t in banned if 0 <= t < vocab) or None

@@ -75,9 +75,12 @@ class SamplingParams:
         need(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        need(not self.logit_bias or all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
-                                        for t, b in self.logit_bias.items()),
+        need(not self.logit_bias or isinstance(self.logit_bias, dict) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+            and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
              "logit_bias", "must map token ids (>= 0) to biases in [-100, 100]")
+        if self.logit_bias:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.top_k == -1:
             self.top_k = 0
@@ -137,6 +140,8 @@ class Request:
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
         self.generator = None  # engine.sampler.SeededStream when params.seed is set
         self.prompt_tokens = None  # the sampler's: the prompt's distinct token ids on the device (repetition penalty)
+        self.biases = None  # the sampler's: (token ids, values) of its logit_bias on the device, made once
+        self.ban = None  # the sampler's: (token ids, -inf) of min_tokens_banned on the device, made once
         # the tokens `params.min_tokens` keeps the sampler from drawing until that many are out (EOS, stop_token_ids),
         # set by the engine; None when there is no minimum (or nothing to keep out)
         self.min_tokens_banned: list[int] | None = None

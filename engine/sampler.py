@@ -58,22 +58,30 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
 
 def apply_biases(logits: torch.Tensor, reqs: list[Request]) -> None:
     """In place: each request's `logit_bias` added to its row, and while `min_tokens` holds it back, -inf on the
-    tokens that would end it (EOS, stop_token_ids). One scatter for the whole batch, over those (row, token) pairs."""
-    V = logits.shape[1]
-    keys: list[int] = []
-    values: list[float] = []
+    tokens that would end it (EOS, stop_token_ids). One scatter for the whole batch, over those (row, token) pairs;
+    each request's pairs go to the device once (`Request.biases`, `Request.ban`), so a step's host work is a few ops
+    per request that has any, whatever their size."""
+    dev, V = logits.device, logits.shape[1]
+    parts, rows = [], []
     for i, r in enumerate(reqs):
         if not r.params.adjusts_logits:
             continue
         if r.params.logit_bias:
-            keys += [i * V + t for t in r.params.logit_bias]
-            values += r.params.logit_bias.values()
+            if r.biases is None or r.biases[0].device != dev:
+                bias = r.params.logit_bias
+                r.biases = (torch.tensor(list(bias), device=dev), torch.tensor(list(bias.values()), device=dev))
+            parts.append(r.biases)
+            rows.append(i)
         if r.min_tokens_banned is not None and r.below_min_tokens():
-            keys += [i * V + t for t in r.min_tokens_banned]
-            values += [float("-inf")] * len(r.min_tokens_banned)
-    if keys:  # (accumulated: a token both biased and banned is -inf)
-        dev = logits.device
-        logits.view(-1).index_put_((torch.tensor(keys, device=dev),), torch.tensor(values, device=dev), accumulate=True)
+            if r.ban is None or r.ban[0].device != dev:
+                ids = torch.tensor(r.min_tokens_banned, device=dev)
+                r.ban = (ids, torch.full(ids.shape, float("-inf"), device=dev))
+            parts.append(r.ban)
+            rows.append(i)
+    if parts:  # (accumulated: a token both biased and banned is -inf)
+        keys = torch.cat([ids for ids, _ in parts]) + torch.repeat_interleave(
+            torch.tensor(rows, device=dev) * V, torch.tensor([len(ids) for ids, _ in parts], device=dev))
+        logits.view(-1).index_put_((keys,), torch.cat([v for _, v in parts]).to(logits.dtype), accumulate=True)
 
 
 def filter_logits(

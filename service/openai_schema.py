@@ -85,9 +85,9 @@ class CommonRequest(Struct):
         if self.include_stop_str_in_output:
             kwargs["include_stop_str_in_output"] = True
         if self.logit_bias:
-            if not all(re.fullmatch(r"[0-9]{1,10}", k) for k in self.logit_bias):
-                raise HTTPError(400, "logit_bias: each key must be a token id (a decimal integer)", param="logit_bias",
-                                code="invalid_message")
+            if not all(re.fullmatch(r"0|[1-9][0-9]{0,9}", k) for k in self.logit_bias):  # ("05" would be "5" twice)
+                raise HTTPError(400, "logit_bias: each key must be a token id (a decimal integer, no leading zeros)",
+                                param="logit_bias", code="invalid_message")
             kwargs["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         return kwargs
 

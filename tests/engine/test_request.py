@@ -29,6 +29,9 @@ FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
     ({"logit_bias": {-1: 1.0}}, "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
     ({"logit_bias": {5: float("nan")}},
      "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
+    ({"logit_bias": {True: 1.0}}, "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
+    ({"logit_bias": {5: "1"}}, "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
+    ({"logit_bias": [(5, 1.0)]}, "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
 ])
 def test_out_of_range_names_its_field(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidSamplingParam) as info:

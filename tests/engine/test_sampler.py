@@ -422,7 +422,7 @@ def test_logit_bias_moves_the_draw_and_only_its_own_row(eng, ref, hf_model):
     favourite = next(t for t in range(1023, 3, -1) if t not in ref)
     banned, forced, sampled, plain = eng.generate([PROMPT] * 4, [
         greedy(logit_bias={ref[0]: -100.0}, logprobs=1),
-        greedy(logit_bias={favourite: 100.0, ref[0]: 5.0}),
+        greedy(logit_bias={favourite: 100, ref[0]: 5}),  # (ints, as Python callers write them: taken as floats)
         SamplingParams(max_tokens=N, temperature=1.0, seed=3, ignore_eos=True, logit_bias={favourite: 100.0}),
         greedy(logprobs=1)])
     assert plain.token_ids == ref

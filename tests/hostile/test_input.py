@@ -262,6 +262,7 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
     ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "invalid_message", "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"five": 1}}, "invalid_message", "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"-5": 1}}, "invalid_message", "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 1, "05": -1}}, "invalid_message", "logit_bias"),  # token 5 twice
     ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "unsupported_parameter", "guided_json"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "unsupported_parameter",
      "messages[0].role"),
