@@ -23,13 +23,13 @@ class RecordingProcessor(InputProcessor):
     """Notes the thread of every templating/tokenizing call."""
     calls: list[tuple[str, str]] = []
 
-    def chat_ids(self, messages):
+    def chat_ids(self, messages, add_special_tokens=False):
         self.calls.append(("chat", threading.current_thread().name))
-        return super().chat_ids(messages)
+        return super().chat_ids(messages, add_special_tokens)
 
-    def text_ids(self, text):
+    def text_ids(self, text, add_special_tokens=True):
         self.calls.append(("text", threading.current_thread().name))
-        return super().text_ids(text)
+        return super().text_ids(text, add_special_tokens)
 
 
 @pytest.fixture
