@@ -107,6 +107,7 @@ async def test_steps_taken_together_notify_each_consumer_once(bridge: EngineBrid
     handles = {k: bridge.submit(GenerateRequest(prompt=f"{k} once", chat=False, params=params),
                                 lambda k=k: woken.__setitem__(k, woken[k] + 1)) for k in woken}
     while not all(h.completion_tokens for h in handles.values()):
+        assert not any(h.finished for h in handles.values()), [h.error for h in handles.values()]  # (else: a hang)
         await asyncio.sleep(0.01)
     for h in handles.values():
         h.take()
