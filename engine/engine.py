@@ -259,11 +259,16 @@ class LLMEngine:
         if params.logit_bias and (top := max(params.logit_bias)) >= vocab:
             raise InvalidSamplingParam("logit_bias", f"logit_bias: token id {top} is not in the vocabulary "
                                        f"(0..{vocab - 1})")
+        if params.allowed_token_ids is not None and (top := max(params.allowed_token_ids)) >= vocab:
+            raise InvalidSamplingParam("allowed_token_ids", f"allowed_token_ids: token id {top} is not in the "
+                                       f"vocabulary (0..{vocab - 1})")
         if params.min_tokens:
             banned = set(params.stop_token_ids) | self.eos_token_ids  # (as vLLM: EOS even when ignored)
             req.min_tokens_banned = sorted(t for t in banned if 0 <= t < vocab) or None
-            if req.min_tokens_banned is not None and len(req.min_tokens_banned) == vocab:
-                raise InvalidSamplingParam("min_tokens", "min_tokens: every token of the vocabulary ends the request "
+            ban = req.min_tokens_banned
+            if ban is not None and (len(ban) == vocab if params.allowed_token_ids is None
+                                    else set(params.allowed_token_ids) <= set(ban)):
+                raise InvalidSamplingParam("min_tokens", "min_tokens: every token that may be sampled ends the request "
                                            "(stop_token_ids, EOS), so none could come before the minimum")
         if params.seed is not None:
             req.generator = self.runner.sampler.make_generator(params.seed)

@@ -52,7 +52,8 @@ class SamplingParams:
     # be sampled while fewer have been generated, and stop strings are looked for only in the text of later tokens
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None  # (OpenAI's) token id -> a bias in [-100, 100] added to its logit
-    # any of penalties, logit_bias or min_tokens: the sampler adjusts this request's logits (set from the others)
+    allowed_token_ids: list[int] | None = None  # (vLLM's) only these may be sampled
+    # any of penalties, logit_bias, allowed_token_ids or min_tokens: the sampler adjusts this request's logits
     adjusts_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -81,12 +82,17 @@ class SamplingParams:
              "logit_bias", "must map token ids (>= 0) to biases in [-100, 100]")
         if self.logit_bias:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        allowed = self.allowed_token_ids
+        need(allowed is None or isinstance(allowed, list) and bool(allowed) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed),
+             "allowed_token_ids", "must be a non-empty list of token ids (>= 0)")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.top_k == -1:
             self.top_k = 0
         if self.temperature < SAMPLING_EPS:  # (as vLLM) dividing by it would overflow the logits: greedy is its limit
             self.temperature = 0.0
-        self.adjusts_logits = self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        self.adjusts_logits = (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                               or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:
@@ -142,6 +148,7 @@ class Request:
         self.prompt_tokens = None  # the sampler's: the prompt's distinct token ids on the device (repetition penalty)
         self.biases = None  # the sampler's: (token ids, values) of its logit_bias on the device, made once
         self.ban = None  # the sampler's: (token ids, -inf) of min_tokens_banned on the device, made once
+        self.allowed = None  # the sampler's: allowed_token_ids as a mask over the vocabulary on the device, made once
         # the tokens `params.min_tokens` keeps the sampler from drawing until that many are out (EOS, stop_token_ids),
         # set by the engine; None when there is no minimum (or nothing to keep out)
         self.min_tokens_banned: list[int] | None = None

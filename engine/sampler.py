@@ -57,15 +57,22 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
 
 
 def apply_biases(logits: torch.Tensor, reqs: list[Request]) -> None:
-    """In place: each request's `logit_bias` added to its row, and while `min_tokens` holds it back, -inf on the
-    tokens that would end it (EOS, stop_token_ids). One scatter for the whole batch, over those (row, token) pairs;
-    each request's pairs go to the device once (`Request.biases`, `Request.ban`), so a step's host work is a few ops
-    per request that has any, whatever their size."""
+    """In place: -inf outside a request's `allowed_token_ids`, its `logit_bias` added, and while `min_tokens` holds it
+    back, -inf on the tokens that would end it (EOS, stop_token_ids). One masked fill for the rows with allowed ids,
+    one scatter for the whole batch over the (row, token) pairs of the others; each request's go to the device once
+    (`Request.allowed`, `Request.biases`, `Request.ban`), so a step's host work is a few ops per request that has any,
+    whatever their size."""
     dev, V = logits.device, logits.shape[1]
-    parts, rows = [], []
+    parts, rows, masked, masks = [], [], [], []
     for i, r in enumerate(reqs):
         if not r.params.adjusts_logits:
             continue
+        if r.params.allowed_token_ids is not None:
+            if r.allowed is None or r.allowed.device != dev:
+                r.allowed = torch.ones(V, dtype=torch.bool, device=dev)
+                r.allowed[torch.tensor(r.params.allowed_token_ids, device=dev)] = False  # (True: masked out)
+            masked.append(i)
+            masks.append(r.allowed)
         if r.params.logit_bias:
             if r.biases is None or r.biases[0].device != dev:
                 bias = r.params.logit_bias
@@ -82,6 +89,9 @@ def apply_biases(logits: torch.Tensor, reqs: list[Request]) -> None:
         keys = torch.cat([ids for ids, _ in parts]) + torch.repeat_interleave(
             torch.tensor(rows, device=dev) * V, torch.tensor([len(ids) for ids, _ in parts], device=dev))
         logits.view(-1).index_put_((keys,), torch.cat([v for _, v in parts]).to(logits.dtype), accumulate=True)
+    if masked:
+        at = torch.tensor(masked, device=dev)
+        logits[at] = logits[at].masked_fill(torch.stack(masks), float("-inf"))
 
 
 def filter_logits(
@@ -281,8 +291,8 @@ class Sampler:
         len(r.draft) of them, the last the usual next-token row and each one before it the row that predicts a draft
         token. Returns each request's new tokens (the draft tokens kept, then one drawn at the first rejection or
         after the last draft token) and their logprobs if it asked for them. A request without a draft samples as
-        `__call__` does. Requests with a draft have no penalties, no logit bias and no tokens banned by min_tokens
-        (engine/spec.py never drafts for them)."""
+        `__call__` does. Requests with a draft have no penalties, no logit bias, no allowed_token_ids and no tokens
+        banned by min_tokens (engine/spec.py never drafts for them)."""
         logits = logits.float()
         width = [1 + len(r.draft) for r in reqs]
         start = [0]

@@ -56,6 +56,7 @@ class CommonRequest(Struct):
     add_special_tokens: bool | None = None
     # token ids (as strings: JSON's keys) -> a bias added to the token's logit
     logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1)] | None = None  # (vLLM's)
     # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
     response_format: Any = None
     # vLLM's extensions (its sampling and structured-output parameters)
@@ -65,7 +66,6 @@ class CommonRequest(Struct):
     guided_grammar: Any = None
     structured_outputs: Any = None
     structural_tag: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -84,6 +84,8 @@ class CommonRequest(Struct):
             kwargs["stop_token_ids"] = self.stop_token_ids
         if self.include_stop_str_in_output:
             kwargs["include_stop_str_in_output"] = True
+        if self.allowed_token_ids is not None:
+            kwargs["allowed_token_ids"] = self.allowed_token_ids
         if self.logit_bias:
             if not all(re.fullmatch(r"0|[1-9][0-9]{0,9}", k) for k in self.logit_bias):  # ("05" would be "5" twice)
                 raise HTTPError(400, "logit_bias: each key must be a token id (a decimal integer, no leading zeros)",
@@ -137,7 +139,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "one completion per request"),
     "structured_outputs": ((), "no structured output"),
     "structural_tag": ((), "no structured output"),
-    "allowed_token_ids": ((), "no restriction of the vocabulary"),
     "bad_words": (([],), "no banned words"),
     "use_beam_search": ((False,), "no beam search"),
     "length_penalty": ((1, 1.0), "no beam search"),

@@ -32,6 +32,8 @@ FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
     ({"logit_bias": {True: 1.0}}, "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
     ({"logit_bias": {5: "1"}}, "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
     ({"logit_bias": [(5, 1.0)]}, "SamplingParams: logit_bias must map token ids (>= 0) to biases in [-100, 100]"),
+    ({"allowed_token_ids": []}, "SamplingParams: allowed_token_ids must be a non-empty list of token ids (>= 0)"),
+    ({"allowed_token_ids": [3, -1]}, "SamplingParams: allowed_token_ids must be a non-empty list of token ids (>= 0)"),
 ])
 def test_out_of_range_names_its_field(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidSamplingParam) as info:

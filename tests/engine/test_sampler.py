@@ -437,6 +437,25 @@ def test_logit_bias_moves_the_draw_and_only_its_own_row(eng, ref, hf_model):
     assert info.value.param == "logit_bias" and "oov" not in eng.requests
 
 
+def test_allowed_token_ids_are_all_that_comes(eng, ref, hf_model):
+    """vLLM's allowed_token_ids: greedy takes the best of them, sampling draws among them; with logit_bias and
+    min_tokens' mask beside it in one batch; batch mates untouched."""
+    allowed = sorted({ref[1], ref[2], 700, 701})
+    greedy_out, sampled, mixed, plain = eng.generate([PROMPT] * 4, [
+        greedy(allowed_token_ids=allowed),
+        SamplingParams(max_tokens=N, temperature=1.5, seed=5, ignore_eos=True, allowed_token_ids=allowed),
+        greedy(allowed_token_ids=allowed, logit_bias={700: 100.0}, min_tokens=2, stop_token_ids=[701]),
+        greedy()])
+    assert plain.token_ids == ref
+    assert set(greedy_out.token_ids + sampled.token_ids + mixed.token_ids) <= set(allowed)
+    first = _hf_logprobs(hf_model, eng.tokenizer(PROMPT, add_special_tokens=False)["input_ids"])[-1]
+    assert greedy_out.token_ids[0] == max(allowed, key=lambda t: float(first[t]))  # the model's best of them
+    assert mixed.token_ids == [700] * N
+    with pytest.raises(InvalidSamplingParam) as info:
+        eng.add_request("oov", PROMPT, greedy(allowed_token_ids=[eng.model_config.vocab_size]))
+    assert info.value.param == "allowed_token_ids" and "oov" not in eng.requests
+
+
 def test_min_tokens_must_not_exceed_max_tokens():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)

@@ -62,6 +62,7 @@ def test_drafts_fit_max_tokens_and_context_and_skip_penalties():
     assert Speculation(cfg, max_model_len=10).draft(_req(ids)) == [3]
     assert spec.draft(_req(ids, presence_penalty=0.5)) == []
     assert spec.draft(_req(ids, logit_bias={3: -1.0})) == []  # (verification takes the unbiased argmax)
+    assert spec.draft(_req(ids, allowed_token_ids=[3])) == []
     held = _req(ids[:6], min_tokens=2, stop_token_ids=[9])
     held.min_tokens_banned = [9]  # (as the engine sets it): a draft position's ban would depend on the drafts before it
     held.token_ids += [1]  # one token out

@@ -103,7 +103,7 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
             r = http.post(route, json=body)
             assert r.status_code == 200, r.text
         for name, value in (("structured_outputs", {"json": {"type": "object"}}),
-                            ("allowed_token_ids", [5]), ("bad_words", ["o"]),
+                            ("bad_words", ["o"]),
                             ("use_beam_search", True), ("prompt_logprobs", 1), ("chat_template", "{{ x }}")):
             r = http.post("/v1/chat/completions", json={**chat, name: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
@@ -137,8 +137,16 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
                                        logit_bias={str(t): 100}, extra_body={"ignore_eos": True})
              .choices[0].logprobs.tokens for t in (700, 701)]
     assert [len(n) for n in names] == [5, 5] and len(set(names[0])) == len(set(names[1])) == 1 and names[0] != names[1]
+    # allowed_token_ids (vLLM's): only those come, sampled or not
+    one = client.completions.create(model=model, prompt="hi", max_tokens=5, temperature=1.0, seed=1, logprobs=0,
+                                    extra_body={"ignore_eos": True, "allowed_token_ids": [700]}).choices[0].logprobs
+    assert one.tokens == names[0]
     with httpx.Client(base_url=main_server.url, timeout=60) as http:
-        for extra in ({"min_tokens": 9}, {"min_tokens": 3, "stop_token_ids": every}):  # more than max_tokens; nothing
+        for extra in ({"allowed_token_ids": []}, {"allowed_token_ids": [5, 1024]}):  # none; one not in the vocabulary
+            r = http.post("/v1/chat/completions", json={**chat, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+        for extra in ({"min_tokens": 9}, {"min_tokens": 3, "stop_token_ids": every},  # more than max_tokens; nothing,
+                      {"min_tokens": 3, "stop_token_ids": [5], "allowed_token_ids": [5]}):  # nothing allowed
             r = http.post("/v1/chat/completions", json={**chat, "max_tokens": 8, "ignore_eos": True, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
 
