@@ -256,12 +256,9 @@ class LLMEngine:
         req = Request(request_id, ids, params, min(max_tokens, room))
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
         vocab = self.model_config.vocab_size
-        if params.logit_bias and (top := max(params.logit_bias)) >= vocab:
-            raise InvalidSamplingParam("logit_bias", f"logit_bias: token id {top} is not in the vocabulary "
-                                       f"(0..{vocab - 1})")
-        if params.allowed_token_ids is not None and (top := max(params.allowed_token_ids)) >= vocab:
-            raise InvalidSamplingParam("allowed_token_ids", f"allowed_token_ids: token id {top} is not in the "
-                                       f"vocabulary (0..{vocab - 1})")
+        for name in ("logit_bias", "allowed_token_ids"):  # (their ids: SamplingParams checked all else)
+            if (ids := getattr(params, name)) and (top := max(ids)) >= vocab:
+                raise InvalidSamplingParam(name, f"{name}: token id {top} is not in the vocabulary (0..{vocab - 1})")
         if params.min_tokens:
             banned = set(params.stop_token_ids) | self.eos_token_ids  # (as vLLM: EOS even when ignored)
             req.min_tokens_banned = sorted(t for t in banned if 0 <= t < vocab) or None
@@ -832,9 +829,10 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
     out = ckpt.output_token_ids
     if len(out) >= req.max_tokens:  # it would have finished
         raise ValueError(f"a checkpoint of {len(out)} tokens leaves no room for another (max_tokens {req.max_tokens})")
-    req.token_ids += out
-    for i, token in enumerate(out):  # the same text as the engine that made them: the detokenizer is deterministic
-        req.detok.add_token(token, i >= req.params.min_tokens)
+    for token in out:  # the same text as the engine that made them: the detokenizer is deterministic
+        stops = not req.below_min_tokens()  # (as `_append_tokens` decides it)
+        req.token_ids.append(token)
+        req.detok.add_token(token, stops)
     if ckpt.num_text_chars > req.detok.num_chars:
         raise ValueError(f"a checkpoint claims {ckpt.num_text_chars} characters of text; its tokens make "
                          f"{req.detok.num_chars}")

@@ -61,6 +61,9 @@ class SamplingParams:
             if not ok:
                 raise InvalidSamplingParam(param, f"SamplingParams: {param} {rule}")
 
+        def token_id(t: Any) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         need(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
@@ -77,14 +80,12 @@ class SamplingParams:
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         need(not self.logit_bias or isinstance(self.logit_bias, dict) and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
-            and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
+            token_id(t) and isinstance(b, (int, float)) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
              "logit_bias", "must map token ids (>= 0) to biases in [-100, 100]")
         if self.logit_bias:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         allowed = self.allowed_token_ids
-        need(allowed is None or isinstance(allowed, list) and bool(allowed) and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed),
+        need(allowed is None or isinstance(allowed, list) and bool(allowed) and all(map(token_id, allowed)),
              "allowed_token_ids", "must be a non-empty list of token ids (>= 0)")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.top_k == -1:

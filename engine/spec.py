@@ -121,7 +121,7 @@ class Speculation:
             return []
         if p.logit_bias or p.allowed_token_ids is not None:  # (verification takes the rows' own argmax: unbiased)
             return []
-        if req.min_tokens_banned is not None and req.num_output_tokens < p.min_tokens:  # (so would min_tokens' ban)
+        if req.min_tokens_banned is not None and req.below_min_tokens():  # (so would min_tokens' ban)
             return []
         if req.generator is not None and not p.greedy:
             # NOTE: verification draws other uniforms than plain sampling, and whether a request drafts depends on

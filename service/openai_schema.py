@@ -31,6 +31,9 @@ class _StreamOptions(Struct):
     include_usage: bool = False
 
 
+TokenId = Annotated[int, Meta(ge=0)]
+
+
 class CommonRequest(Struct):
     model: str
     max_tokens: MaxTokens | None = None
@@ -48,7 +51,7 @@ class CommonRequest(Struct):
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=1024)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=1024)] | None = None
     include_stop_str_in_output: bool | None = None
     min_tokens: MinTokens | None = None
     # the tokenizer's own special tokens (a BOS): added to a completion's text prompt, not to a chat's (its template
@@ -56,7 +59,7 @@ class CommonRequest(Struct):
     add_special_tokens: bool | None = None
     # token ids (as strings: JSON's keys) -> a bias added to the token's logit
     logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)] | None = None
-    allowed_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1)] | None = None  # (vLLM's)
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None  # (vLLM's)
     # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
     response_format: Any = None
     # vLLM's extensions (its sampling and structured-output parameters)
