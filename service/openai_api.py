@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -17,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from engine import SamplingParams
 from service.openai_errors import HTTPError, error_body, error_response
 from service.handle import GenerateRequest, RequestError, RequestHandle, sampling_params
 from service.openai_schema import (
@@ -93,9 +95,6 @@ def _check_common(svc: Service, body: CommonRequest) -> None:
     if body.model != svc.model_name:
         raise HTTPError(404, f"The model `{body.model}` does not exist; this server serves `{svc.model_name}`.",
                         param="model", code="model_not_found")
-    if body.n not in (None, 1):
-        raise HTTPError(400, "only n=1 is supported; send n separate requests instead", param="n",
-                        code="unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise HTTPError(400, "stream_options is only allowed when stream is true", param="stream_options",
                         code="invalid_message")
@@ -162,12 +161,12 @@ async def model(request: Request) -> Response:
     return Response(msgspec.json.encode(_card(svc)), media_type="application/json")
 
 
-async def _wait_for(receive: Receive, handle: RequestHandle, event: asyncio.Event,
-                    ready: Callable[[RequestHandle], bool]) -> bool:
-    """Wait until `ready(handle)`; False if the client disconnected first."""
+async def _wait_for(receive: Receive, handles: list[RequestHandle], event: asyncio.Event,
+                    ready: Callable[[list[RequestHandle]], bool]) -> bool:
+    """Wait until `ready(handles)`; False if the client disconnected first."""
     watcher = asyncio.ensure_future(_disconnected(receive))
     try:
-        while not ready(handle):
+        while not ready(handles):
             event.clear()
             waiter = asyncio.ensure_future(event.wait())
             await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -184,50 +183,85 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice `i`'s sampling: a seeded request's choices draw from seeds seed, seed + 1, ... (vLLM's rule), so each
+    is reproducible and they differ."""
+    return params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % 2**63)
+
+
 async def _generate(request: Request, svc: Service, req: GenerateRequest, render: Render, body: CommonRequest) -> Response:
-    event = asyncio.Event()
-    try:
-        handle = svc.bridge.submit(req, event.set)
-    except RequestError as e:
-        raise _from_request_error(e, _prompt_param(body)) from None
-    # Streams too wait for the first output, so admission errors still get a real HTTP status.
-    ready = (lambda h: h.finished) if not body.stream else (lambda h: h.finished or h.started)
+    """One engine request per choice (`n`), answered together. The prompt is computed once: the scheduler holds a
+    prompt back while another computes the blocks it would take from the prefix cache (docs/architecture.md §4)."""
+    event = asyncio.Event()  # set by every choice's output
+    handles: list[RequestHandle] = []
     streaming = False
     try:
-        if not await _wait_for(request.receive, handle, event, ready):
-            return Response(status_code=499)  # nobody reads it
-        if (failure := _failure(handle, body)) is not None:
-            raise failure
+        for i in range(body.n or 1):
+            try:
+                handles.append(svc.bridge.submit(replace(req, params=_choice_params(req.params, i)), event.set))
+            except RequestError as e:
+                raise _from_request_error(e, _prompt_param(body)) from None
+        # Streams too wait for every choice's first output, so admission errors still get a real HTTP status.
+        ready = ((lambda hs: all(h.finished for h in hs)) if not body.stream else
+                 (lambda hs: all(h.finished or h.started for h in hs)))
+        if not await _wait_for(request.receive, handles, event, ready):
+            return Response(status_code=499)
+        for h in handles:
+            if h.finished and (failure := _failure(h, body)) is not None:
+                raise failure
+        renders = render.siblings(len(handles))
         if not body.stream:
-            return Response(msgspec.json.encode(render.response(handle)), media_type="application/json")
+            return Response(msgspec.json.encode(render.response(renders, handles)), media_type="application/json")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         streaming = True
-        return SSEResponse(_sse(render, handle, event, include_usage, body), lambda: svc.bridge.abort(handle))
+        return SSEResponse(_sse(renders, handles, event, include_usage, body, svc.bridge.abort),
+                           lambda: _abort(svc, handles))
     finally:
         # NOTE: whatever ended the wait -- a disconnect (even in the tick the first output came), an error,
-        # this task's cancellation -- a request not handed to a stream is aborted here; the stream aborts
+        # this task's cancellation -- requests not handed to a stream are aborted here; the stream aborts
         # its own.
-        if not streaming and not handle.finished:
-            svc.bridge.abort(handle)
+        if not streaming:
+            _abort(svc, handles)
 
 
-async def _sse(render: Render, handle: RequestHandle, event: asyncio.Event, include_usage: bool,
-               body: CommonRequest) -> AsyncIterator[bytes]:
-    for chunk in render.stream_start(handle, include_usage):
-        yield _event(chunk)
-    while True:
-        text, _, lps = handle.take()
-        if text or lps:
-            yield _event(render.stream_delta(text, lps, include_usage))
-        if handle.finished:
-            break
-        event.clear()
-        await event.wait()
-    if (e := _failure(handle, body)) is not None:
-        yield _event(error_body(e.status, e.message, None, e.param, e.code))
-    else:
-        for chunk in render.stream_end(handle, include_usage):
+def _abort(svc: Service, handles: list[RequestHandle]) -> None:
+    for h in handles:
+        if not h.finished:
+            svc.bridge.abort(h)
+
+
+async def _sse(renders: list[Render], handles: list[RequestHandle], event: asyncio.Event, include_usage: bool,
+               body: CommonRequest, abort: Callable[[RequestHandle], None]) -> AsyncIterator[bytes]:
+    """Each choice's chunks as its output comes (a chunk names its choice's `index`), its finish chunk when it
+    ends; the usage of all after the last. A choice that fails ends the stream with an error event, and the others
+    are aborted."""
+    for r, h in zip(renders, handles):
+        for chunk in r.stream_start(h, include_usage):
             yield _event(chunk)
+    running = dict(zip(handles, renders))
+    try:
+        while running:
+            event.clear()  # (before taking: output pushed while a chunk is written wakes the next pass)
+            for h, r in list(running.items()):
+                text, _, lps = h.take()
+                if text or lps:
+                    yield _event(r.stream_delta(text, lps, include_usage))
+                if not h.finished:
+                    continue
+                del running[h]
+                if (e := _failure(h, body)) is not None:
+                    yield _event(error_body(e.status, e.message, None, e.param, e.code))
+                    yield b"data: [DONE]\n\n"
+                    return
+                for chunk in r.stream_end(h, include_usage):
+                    yield _event(chunk)
+            if running:
+                await event.wait()
+    finally:
+        for h in running:  # (a choice failed, or the stream stopped)
+            abort(h)
+    if include_usage:
+        yield _event(renders[0].usage_chunk(handles))
     yield b"data: [DONE]\n\n"
 
 

@@ -1,6 +1,6 @@
-"""OpenAI response bodies and stream chunks for chat and text completions; one renderer per request.
+"""OpenAI response bodies and stream chunks for chat and text completions; one renderer per choice (`n`).
 
-Pure functions of a finished (or streaming) `RequestHandle`: no I/O, so the shapes are testable alone.
+Pure functions of finished (or streaming) `RequestHandle`s: no I/O, so the shapes are testable alone.
 """
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from typing import Any, Protocol
 from service.handle import RequestHandle, TokenLogprobs
 
 
-def usage(h: RequestHandle) -> dict[str, Any]:
-    prompt = h.prompt_tokens or 0
-    return {"prompt_tokens": prompt, "completion_tokens": h.completion_tokens,
-            "total_tokens": prompt + h.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": h.cached_tokens}}
+def usage(handles: list[RequestHandle]) -> dict[str, Any]:
+    """A response's usage over its choices: the prompt, the same for all, counts once (with the first choice's
+    prefix-cache hits), as OpenAI and vLLM count it; the completions add up."""
+    first = handles[0]
+    prompt, completion = first.prompt_tokens or 0, sum(h.completion_tokens for h in handles)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 def _finish_reason(h: RequestHandle) -> str:
@@ -26,21 +28,45 @@ def _finish_reason(h: RequestHandle) -> str:
 
 
 class Render(Protocol):
-    def response(self, h: RequestHandle) -> dict[str, Any]: ...
+    """One choice of a response: its entry in the body and its stream chunks. `siblings` makes the renderers of
+    a response's other choices, which share its id."""
+
+    index: int
+
+    def siblings(self, n: int) -> list[Render]: ...
+    def choice(self, h: RequestHandle) -> dict[str, Any]: ...
+    def response(self, renders: list[Render], handles: list[RequestHandle]) -> dict[str, Any]: ...
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]: ...
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> dict[str, Any]: ...
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]: ...
+    def usage_chunk(self, handles: list[RequestHandle]) -> dict[str, Any]: ...
 
 
 class _Base:
-    ID_PREFIX = ""
-    CHUNK_OBJECT = ""
+    ID_PREFIX = OBJECT = CHUNK_OBJECT = ""
 
-    def __init__(self, model: str, logprobs: bool) -> None:
-        self.id = f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+    def __init__(self, model: str, logprobs: bool, index: int = 0, first: _Base | None = None) -> None:
+        self.id = first.id if first is not None else f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
+        self.created = first.created if first is not None else int(time.time())
         self.model = model
         self.logprobs = logprobs
+        self.index = index
+
+    def siblings(self, n: int) -> list[Render]:
+        """This renderer (the first choice's) and those of the response's n - 1 other choices."""
+        return [self, *(type(self)(self.model, self.logprobs, i, self) for i in range(1, n))]
+
+    def choice(self, h: RequestHandle) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self, renders: list[Render], handles: list[RequestHandle]) -> dict[str, Any]:
+        """The whole (not streamed) body: each finished handle's choice, in order."""
+        return {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.model,
+                "choices": [r.choice(h) for r, h in zip(renders, handles)], "usage": usage(handles)}
+
+    def usage_chunk(self, handles: list[RequestHandle]) -> dict[str, Any]:
+        """A stream's last chunk under `stream_options.include_usage`: no choices, the usage of them all."""
+        return self._chunk([], True, usage(handles))
 
     def _chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage_: Any = None) -> dict[str, Any]:
         chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created, "model": self.model,
@@ -51,7 +77,7 @@ class _Base:
 
 
 class ChatRender(_Base):
-    ID_PREFIX, CHUNK_OBJECT = "chatcmpl", "chat.completion.chunk"
+    ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     @staticmethod
     def _lp(lps: list[TokenLogprobs]) -> dict[str, Any]:
@@ -61,36 +87,30 @@ class ChatRender(_Base):
         return {"content": [{**entry(t, b, lp), "top_logprobs": [entry(*alt) for alt in top]}
                             for t, b, lp, top in lps], "refusal": None}
 
-    def response(self, h: RequestHandle) -> dict[str, Any]:
+    def choice(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": self._lp(lps) if self.logprobs else None,
-                             "finish_reason": _finish_reason(h)}],
-                "usage": usage(h)}
+        return {"index": self.index, "message": {"role": "assistant", "content": text},
+                "logprobs": self._lp(lps) if self.logprobs else None, "finish_reason": _finish_reason(h)}
 
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return [self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}], include_usage)]
 
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> dict[str, Any]:
-        return self._chunk([{"index": 0, "delta": {"content": text},
+        return self._chunk([{"index": self.index, "delta": {"content": text},
                              "logprobs": self._lp(lps) if self.logprobs else None, "finish_reason": None}],
                            include_usage)
 
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
-        chunks = [self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(h)}],
-                              include_usage)]
-        if include_usage:
-            chunks.append(self._chunk([], True, usage(h)))
-        return chunks
+        return [self._chunk([{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(h)}],
+                            include_usage)]
 
 
 class CompletionRender(_Base):
-    ID_PREFIX, CHUNK_OBJECT = "cmpl", "text_completion"
+    ID_PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, model: str, logprobs: bool) -> None:
-        super().__init__(model, logprobs)
+    def __init__(self, model: str, logprobs: bool, index: int = 0, first: _Base | None = None) -> None:
+        super().__init__(model, logprobs, index, first)
         self.offset = 0  # text_offset of the next token, across stream chunks
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # the text the tokens' bytes have made so far
 
@@ -120,23 +140,18 @@ class CompletionRender(_Base):
             return 1
         return 0
 
-    def response(self, h: RequestHandle) -> dict[str, Any]:
+    def choice(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
-                             "finish_reason": _finish_reason(h)}],
-                "usage": usage(h)}
+        return {"index": self.index, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
+                "finish_reason": _finish_reason(h)}
 
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         return []
 
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> dict[str, Any]:
-        return self._chunk([{"index": 0, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
+        return self._chunk([{"index": self.index, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
                              "finish_reason": None}], include_usage)
 
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
-        chunks = [self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": _finish_reason(h)}],
-                              include_usage)]
-        if include_usage:
-            chunks.append(self._chunk([], True, usage(h)))
-        return chunks
+        return [self._chunk([{"index": self.index, "text": "", "logprobs": None, "finish_reason": _finish_reason(h)}],
+                            include_usage)]

@@ -32,6 +32,7 @@ class _StreamOptions(Struct):
 
 
 TokenId = Annotated[int, Meta(ge=0)]
+MAX_N = 128  # choices a request may ask for (`n`), as OpenAI's bound
 
 
 class CommonRequest(Struct):
@@ -39,7 +40,7 @@ class CommonRequest(Struct):
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: int | None = None  # (null: the default, 1)
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # choices (null: the default, 1)
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
     stop: StopString | StopStrings | None = None  # one string, or a list as on the WebSocket
@@ -139,7 +140,7 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "modalities": ((["text"],), "text output only"),
     "echo": ((False,), "the prompt is not echoed"),
     "suffix": ((), "no text insertion"),
-    "best_of": ((1,), "one completion per request"),
+    "best_of": ((1,), "no best-of ranking: ask for n choices"),
     "structured_outputs": ((), "no structured output"),
     "structural_tag": ((), "no structured output"),
     "bad_words": (([],), "no banned words"),

@@ -252,7 +252,7 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "invalid_message", "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, "invalid_message", "messages[0].role"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "invalid_message", "top_logprobs"),
-    ("/v1/chat/completions", {"n": 2}, "unsupported_parameter", "n"),
+    ("/v1/chat/completions", {"n": 0}, "invalid_message", "n"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter",
      "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),

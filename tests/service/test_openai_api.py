@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.app import build_app
 from service.config import ServerConfig
 from tests.service.conftest import (
-    LONG, MAIN_ENGINE, TOO_LONG, Server, finished_requests, in_process, open_ws, wait_engine_idle, wait_running,
+    LONG, MAIN_ENGINE, TOO_LONG, Server, finished_requests, in_process, open_ws, send, wait_engine_idle, wait_running,
 )
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
@@ -162,10 +162,73 @@ def test_completions_stream_equals_non_stream(client: openai.OpenAI, model: str)
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
 
 
-def test_openai_errors(client: openai.OpenAI, model: str) -> None:
+def _computed(server: Server) -> float:
+    return sum(v for (name, _), v in _scrape(server).items() if name == "sluice_prompt_tokens_computed_total")
+
+
+async def test_n_choices_share_the_prompt(main_server: Server, model: str) -> None:
+    """The prompt of `n` choices is computed once: while a stream keeps the engine stepping, the four arrive
+    together, and one step could compute all their prompts (the budget is 256 tokens), but the scheduler holds the
+    others back until the first's blocks are in the prefix cache."""
+    ws, observer = await open_ws(main_server), await open_ws(main_server)
+    await send(ws, type="chat", id="busy", messages=MESSAGES, max_tokens=LONG, ignore_eos=True)
+    await wait_running(observer)
+    prompt = "Tell me about rivers, " * 12  # 180 tokens, in no other test: not cached yet
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "n": 4, "ignore_eos": True}
+    computed = _computed(main_server)
+    async with httpx.AsyncClient(base_url=main_server.url, timeout=120) as http:
+        r = (await http.post("/v1/completions", json=body)).json()
+    prompt_tokens = r["usage"]["prompt_tokens"]
+    # the first computes it all; each other one only the partial block its last token is in
+    assert _computed(main_server) - computed == prompt_tokens + 3 * ((prompt_tokens - 1) % 16 + 1), r["usage"]
+    await send(ws, type="cancel", id="busy")
+    await wait_engine_idle(observer)
+    await ws.close()
+    await observer.close()
+
+
+def test_n_choices(main_server: Server, client: openai.OpenAI, model: str) -> None:
+    """`n` choices: a seeded request's choice i is what seed + i gives alone (vLLM's rule), the prompt counts once in
+    usage, and a stream's chunks carry each choice's index and one finish each."""
+    prompt = "Tell me about lakes, " * 12
+    params = dict(model=model, prompt=prompt, max_tokens=12, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    r = client.completions.create(**params, n=3)
+    prompt_tokens = r.usage.prompt_tokens
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) == 3
+    alone = [client.completions.create(**{**params, "seed": 7 + i}) for i in range(3)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.completion_tokens == 36 and r.usage.total_tokens == prompt_tokens + 36
+    assert prompt_tokens == alone[0].usage.prompt_tokens
+    chunks = list(client.completions.create(**params, n=3, stream=True, stream_options={"include_usage": True}))
+    texts, finishes = ["", "", ""], [[], [], []]
+    for c in chunks[:-1]:
+        (choice,) = c.choices  # one choice a chunk, as OpenAI streams them
+        texts[choice.index] += choice.text
+        finishes[choice.index] += [choice.finish_reason] if choice.finish_reason else []
+    assert texts == [c.text for c in r.choices] and finishes == [["length"]] * 3
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 36
+    assert len({c.id for c in chunks}) == 1
+
+    chat = dict(model=model, messages=MESSAGES, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**chat, n=2)  # greedy: the same answer twice
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].message.content == r.choices[1].message.content
+    assert r.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(**chat, n=2, stream=True))
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    for i in (0, 1):
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) == \
+            r.choices[i].message.content
+    with httpx.Client(base_url=main_server.url, timeout=60) as http:
+        for n in (0, 129, "2"):
+            r = http.post("/v1/completions", json={"model": model, "prompt": "hi", "n": n})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=MESSAGES, n=2)
-    assert e.value.status_code == 400 and "n=1" in e.value.message
+        client.completions.create(model=model, prompt=TOO_LONG, n=2)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_openai_errors(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError) as e:
@@ -208,22 +271,24 @@ def _abort_count(server: Server) -> float:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_disconnect_aborts(main_server: Server, model: str, stream: bool) -> None:
-    """Hanging up while the request runs aborts it. The hang-up waits for the request to run (the stream's
-    first bytes, or `stats`), and the request has nearly the whole context still to generate."""
+@pytest.mark.parametrize("n", [1, 2])
+async def test_disconnect_aborts(main_server: Server, model: str, stream: bool, n: int) -> None:
+    """Hanging up while the request runs aborts it, each of its choices. The hang-up waits for every choice to
+    run (the stream's first bytes, or `stats`), and each has nearly the whole context still to generate."""
     before = _abort_count(main_server)
     observer = await open_ws(main_server)
     body = httpx.Request("POST", "http://x", json={
-        "model": model, "messages": MESSAGES, "max_tokens": LONG, "ignore_eos": True, "stream": stream}).content
+        "model": model, "messages": MESSAGES, "max_tokens": LONG, "ignore_eos": True, "stream": stream, "n": n,
+        "temperature": 1.0}).content
     s = await asyncio.to_thread(_post, main_server.port, body)
     with s:
         if stream:
-            assert await asyncio.to_thread(s.recv, 1)  # headers come with the first output
+            assert await asyncio.to_thread(s.recv, 1)  # headers come with every choice's first output
         else:
-            await wait_running(observer)
+            await wait_running(observer, n)
     await wait_engine_idle(observer)
     await observer.close()
-    assert _abort_count(main_server) == before + 1
+    assert _abort_count(main_server) == before + n
 
 
 def _scrape(server: Server) -> dict[tuple[str, tuple], float]:
