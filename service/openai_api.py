@@ -22,7 +22,7 @@ from engine import SamplingParams
 from service.openai_errors import HTTPError, error_body, error_response
 from service.handle import GenerateRequest, RequestError, RequestHandle, sampling_params
 from service.openai_schema import (
-    ChatCompletionRequest, CommonRequest, CompletionRequest, chat_messages, completion_prompt, decode_body,
+    ChatCompletionRequest, CommonRequest, CompletionRequest, chat_messages, completion_prompts, decode_body,
     refuse_unsupported,
 )
 from service.openai_render import ChatRender, CompletionRender, Render
@@ -118,7 +118,7 @@ async def chat_completions(request: Request) -> Response:
                               fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
                               add_special_tokens=body.add_special_tokens)
         render = ChatRender(svc.model_name, body.logprobs)
-        return await _generate(request, svc, req, render, body)
+        return await _generate(request, svc, [req], render, body)
     except RequestError as e:
         return _error(_from_request_error(e))
     except HTTPError as e:
@@ -131,11 +131,12 @@ async def completions(request: Request) -> Response:
         body = await _read_body(request, CompletionRequest, svc.config.max_message_bytes)
         _check_common(svc, body)
         params = sampling_params(max_tokens=body.max_tokens or 16, logprobs=body.logprobs, **body.sampling_kwargs())
-        req = GenerateRequest(prompt=completion_prompt(body), chat=False, params=params, api="completions",
-                              client=_peer(request), add_special_tokens=body.add_special_tokens,
-                              fit_max_tokens=body.max_tokens is None)  # the default 16 fits; one asked for must
+        reqs = [GenerateRequest(prompt=prompt, chat=False, params=params, api="completions", client=_peer(request),
+                                add_special_tokens=body.add_special_tokens,
+                                fit_max_tokens=body.max_tokens is None)  # the default 16 fits; one asked for must
+                for prompt in completion_prompts(body)]
         render = CompletionRender(svc.model_name, body.logprobs is not None)
-        return await _generate(request, svc, req, render, body)
+        return await _generate(request, svc, reqs, render, body)
     except RequestError as e:
         return _error(_from_request_error(e))
     except HTTPError as e:
@@ -189,18 +190,22 @@ def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
     return params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % 2**63)
 
 
-async def _generate(request: Request, svc: Service, req: GenerateRequest, render: Render, body: CommonRequest) -> Response:
-    """One engine request per choice (`n`), answered together. The prompt is computed once: the scheduler holds a
-    prompt back while another computes the blocks it would take from the prefix cache (docs/architecture.md §4)."""
+async def _generate(request: Request, svc: Service, reqs: list[GenerateRequest], render: Render,
+                    body: CommonRequest) -> Response:
+    """One engine request per choice (`n` of each prompt of `reqs`, in that order), answered together. A prompt is
+    computed once: the scheduler holds a prompt back while another computes the blocks it would take from the prefix
+    cache (docs/architecture.md §4)."""
+    n = body.n or 1
     event = asyncio.Event()  # set by every choice's output
     handles: list[RequestHandle] = []
     streaming = False
     try:
-        for i in range(body.n or 1):
-            try:
-                handles.append(svc.bridge.submit(replace(req, params=_choice_params(req.params, i)), event.set))
-            except RequestError as e:
-                raise _from_request_error(e, _prompt_param(body)) from None
+        for req in reqs:
+            for i in range(n):
+                try:
+                    handles.append(svc.bridge.submit(replace(req, params=_choice_params(req.params, i)), event.set))
+                except RequestError as e:
+                    raise _from_request_error(e, _prompt_param(body)) from None
         # Streams too wait for every choice's first output, so admission errors still get a real HTTP status.
         ready = ((lambda hs: all(h.finished for h in hs)) if not body.stream else
                  (lambda hs: all(h.finished or h.started for h in hs)))
@@ -211,10 +216,10 @@ async def _generate(request: Request, svc: Service, req: GenerateRequest, render
                 raise failure
         renders = render.siblings(len(handles))
         if not body.stream:
-            return Response(msgspec.json.encode(render.response(renders, handles)), media_type="application/json")
+            return Response(msgspec.json.encode(render.response(renders, handles, n)), media_type="application/json")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         streaming = True
-        return SSEResponse(_sse(renders, handles, event, include_usage, body, svc.bridge.abort),
+        return SSEResponse(_sse(renders, handles, n, event, include_usage, body, svc.bridge.abort),
                            lambda: _abort(svc, handles))
     finally:
         # NOTE: whatever ended the wait -- a disconnect (even in the tick the first output came), an error,
@@ -230,8 +235,8 @@ def _abort(svc: Service, handles: list[RequestHandle]) -> None:
             svc.bridge.abort(h)
 
 
-async def _sse(renders: list[Render], handles: list[RequestHandle], event: asyncio.Event, include_usage: bool,
-               body: CommonRequest, abort: Callable[[RequestHandle], None]) -> AsyncIterator[bytes]:
+async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, event: asyncio.Event,
+               include_usage: bool, body: CommonRequest, abort: Callable[[RequestHandle], None]) -> AsyncIterator[bytes]:
     """Each choice's chunks as its output comes (a chunk names its choice's `index`), its finish chunk when it
     ends; the usage of all after the last. A choice that fails ends the stream with an error event, and the others
     are aborted."""
@@ -261,7 +266,7 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], event: async
         for h in running:  # (a choice failed, or the stream stopped)
             abort(h)
     if include_usage:
-        yield _event(renders[0].usage_chunk(handles))
+        yield _event(renders[0].usage_chunk(handles, n))
     yield b"data: [DONE]\n\n"
 
 

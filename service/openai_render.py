@@ -12,13 +12,13 @@ from typing import Any, Protocol
 from service.handle import RequestHandle, TokenLogprobs
 
 
-def usage(handles: list[RequestHandle]) -> dict[str, Any]:
-    """A response's usage over its choices: the prompt, the same for all, counts once (with the first choice's
+def usage(handles: list[RequestHandle], n: int = 1) -> dict[str, Any]:
+    """A response's usage over its choices, `n` a prompt: each prompt counts once (with its first choice's
     prefix-cache hits), as OpenAI and vLLM count it; the completions add up."""
-    first = handles[0]
-    prompt, completion = first.prompt_tokens or 0, sum(h.completion_tokens for h in handles)
+    firsts = handles[::n]
+    prompt, completion = sum(h.prompt_tokens or 0 for h in firsts), sum(h.completion_tokens for h in handles)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(h.cached_tokens for h in firsts)}}
 
 
 def _finish_reason(h: RequestHandle) -> str:
@@ -35,11 +35,11 @@ class Render(Protocol):
 
     def siblings(self, n: int) -> list[Render]: ...
     def choice(self, h: RequestHandle) -> dict[str, Any]: ...
-    def response(self, renders: list[Render], handles: list[RequestHandle]) -> dict[str, Any]: ...
+    def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]: ...
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]: ...
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> dict[str, Any]: ...
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]: ...
-    def usage_chunk(self, handles: list[RequestHandle]) -> dict[str, Any]: ...
+    def usage_chunk(self, handles: list[RequestHandle], n: int) -> dict[str, Any]: ...
 
 
 class _Base:
@@ -53,20 +53,21 @@ class _Base:
         self.index = index
 
     def siblings(self, n: int) -> list[Render]:
-        """This renderer (the first choice's) and those of the response's n - 1 other choices."""
+        """This renderer (the first choice's) and those of the response's n - 1 other choices (over every prompt of a
+        batch)."""
         return [self, *(type(self)(self.model, self.logprobs, i, self) for i in range(1, n))]
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         raise NotImplementedError
 
-    def response(self, renders: list[Render], handles: list[RequestHandle]) -> dict[str, Any]:
-        """The whole (not streamed) body: each finished handle's choice, in order."""
+    def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
+        """The whole (not streamed) body: each finished handle's choice, in order (`n` a prompt)."""
         return {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.model,
-                "choices": [r.choice(h) for r, h in zip(renders, handles)], "usage": usage(handles)}
+                "choices": [r.choice(h) for r, h in zip(renders, handles)], "usage": usage(handles, n)}
 
-    def usage_chunk(self, handles: list[RequestHandle]) -> dict[str, Any]:
+    def usage_chunk(self, handles: list[RequestHandle], n: int) -> dict[str, Any]:
         """A stream's last chunk under `stream_options.include_usage`: no choices, the usage of them all."""
-        return self._chunk([], True, usage(handles))
+        return self._chunk([], True, usage(handles, n))
 
     def _chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage_: Any = None) -> dict[str, Any]:
         chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created, "model": self.model,

@@ -33,6 +33,7 @@ class _StreamOptions(Struct):
 
 TokenId = Annotated[int, Meta(ge=0)]
 MAX_N = 128  # choices a request may ask for (`n`), as OpenAI's bound
+MAX_CHOICES = 1024  # choices of a completion request over its batch of prompts
 
 
 class CommonRequest(Struct):
@@ -189,15 +190,20 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
     return out
 
 
-def completion_prompt(body: CompletionRequest) -> str | list[int]:
+def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, a list of token ids, or a list of those (a batch: each prompt
+    gets its `n` choices, OpenAI's and vLLM's choice `index` being prompt * n + choice)."""
     p = body.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
-    if isinstance(p, str):
-        return p
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return p
-    raise HTTPError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+    batch = p if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else [p]
+    for i, x in enumerate(batch):
+        if not (isinstance(x, str) or (isinstance(x, list) and x and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x))):
+            at = f"prompt[{i}]" if batch is p else "prompt"
+            raise HTTPError(400, f"{at} must be a string or a non-empty list of token ids", param="prompt")
+    if len(batch) * (body.n or 1) > MAX_CHOICES:
+        raise HTTPError(400, f"{len(batch)} prompts x n={body.n or 1} asks for more than {MAX_CHOICES} choices; split "
+                             "the batch", param="prompt")
+    return batch
 
 
 def decode_body(data: bytes, struct: type[Struct]) -> Any:

@@ -228,6 +228,31 @@ def test_n_choices(main_server: Server, client: openai.OpenAI, model: str) -> No
     assert e.value.code == "context_length_exceeded"
 
 
+def test_a_batch_of_prompts(main_server: Server, client: openai.OpenAI, model: str) -> None:
+    """Completions take a list of prompts (strings or token id lists), each with its `n` choices: choice
+    prompt * n + i is what that prompt and seed + i give alone, and usage adds up every prompt once."""
+    prompts = ["Once upon a time", [5, 6, 7, 8, 9]]
+    params = dict(model=model, max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=prompts, n=2, **params)
+    alone = [client.completions.create(prompt=p, **{**params, "seed": 3 + i}) for p in prompts for i in range(2)]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[2].usage.prompt_tokens
+    assert r.usage.completion_tokens == 24
+    chunks = list(client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True},
+                                            **params))
+    texts = ["", "", "", ""]
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [c.text for c in r.choices] and chunks[-1].usage == r.usage
+    with httpx.Client(base_url=main_server.url, timeout=60) as http:
+        for prompt, n in ((["ok", []], 1), (["ok", ["no"]], 1), (["ok"] * 9, 128)):  # empty; not ids; 1,152 choices
+            r = http.post("/v1/completions", json={"model": model, "prompt": prompt, "n": n, "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = http.post("/v1/completions", json={"model": model, "prompt": ["ok", TOO_LONG], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
 def test_openai_errors(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
