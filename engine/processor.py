@@ -38,12 +38,18 @@ class InputProcessor:
             log.warning("the chat template's tokens per message could not be measured: prompts with many short "
                         "messages are only bounded by their characters before they are tokenized")
 
-    def chat_ids(self, messages: Messages, add_special_tokens: bool = False) -> list[int]:
-        """The chat template applied to `messages`, with the generation prompt, tokenized (the template writes the
-        special tokens it wants: the tokenizer's own, a BOS say, are added only if asked). A message is a
-        `{"role", "content"}` dict or any object with those attributes (a server's wire type)."""
+    def chat_ids(self, messages: Messages, add_special_tokens: bool = False, *, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False) -> list[int]:
+        """The chat template applied to `messages`, tokenized (the template writes the special tokens it wants: the
+        tokenizer's own, a BOS say, are added only if asked). A message is a `{"role", "content"}` dict or any object
+        with those attributes (a server's wire type). As vLLM's and transformers' options of the same names:
+        `add_generation_prompt` ends the prompt with the opening of the assistant's turn; `continue_final_message`
+        instead leaves the last message open, so the answer continues its text (a prefilled answer)."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         messages = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message)
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -51,14 +57,15 @@ class InputProcessor:
         Hugging Face's tokenizers and vLLM's completions do by default: a model trained with them expects them."""
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def tokenize(self, prompt: Messages | str | list[int], chat: bool, add_special_tokens: bool | None = None
-                 ) -> list[int]:
+    def tokenize(self, prompt: Messages | str | list[int], chat: bool, add_special_tokens: bool | None = None,
+                 **template: bool) -> list[int]:
         """Token ids of a prompt, unchecked: what a server's tokenizer thread does. `add_special_tokens` (vLLM's):
         the tokenizer's own special tokens (None: for a text, not for a chat, whose template writes them; token ids
-        are taken as they are). Raises `ValueError` if the chat template refuses the messages."""
+        are taken as they are); `template`: `chat_ids`' options. Raises `ValueError` if the chat template refuses the
+        messages."""
         if chat:
             try:
-                return self.chat_ids(prompt, bool(add_special_tokens))  # type: ignore[arg-type]
+                return self.chat_ids(prompt, bool(add_special_tokens), **template)  # type: ignore[arg-type]
             except Exception as e:  # e.g. a template that rejects this sequence of roles
                 raise ValueError(f"cannot build the prompt: {e}") from None
         if isinstance(prompt, str):

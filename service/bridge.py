@@ -131,10 +131,16 @@ class EngineBridge:
         self._handles[handle.request_id] = handle
         self._num_queued += 1
         future = self._tokenizing[handle.request_id] = asyncio.wrap_future(
-            self._tokenizer.submit(req.client, self._processor.tokenize, req.prompt, req.chat,
-                                   req.add_special_tokens))
+            self._tokenizer.submit(req.client, self._tokenize, req))
         future.add_done_callback(lambda f: self._tokenized(handle, req, f))
         return handle
+
+    def _tokenize(self, req: GenerateRequest) -> list[int]:
+        """On the tokenizer thread."""
+        assert self._processor is not None
+        template = dict(add_generation_prompt=req.add_generation_prompt,
+                        continue_final_message=req.continue_final_message) if req.chat else {}
+        return self._processor.tokenize(req.prompt, req.chat, req.add_special_tokens, **template)
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request; it finishes with finish_reason "abort" after the engine's next step (or as soon as

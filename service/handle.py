@@ -48,6 +48,9 @@ class GenerateRequest:
     client: Hashable = None  # who asks (a WebSocket connection, an HTTP peer's address): the tokenizer takes turns
     # the tokenizer's own special tokens (vLLM's add_special_tokens; None: for a text, not for a chat's template)
     add_special_tokens: bool | None = None
+    # a chat's template options (vLLM's, engine/processor.py `chat_ids`)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class RequestHandle:

@@ -114,10 +114,19 @@ async def chat_completions(request: Request) -> Response:
             raise HTTPError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs())
-        req = GenerateRequest(prompt=chat_messages(body), chat=True, params=params, api="chat", client=_peer(request),
+        continue_final = bool(body.continue_final_message)
+        add_generation_prompt = body.add_generation_prompt if body.add_generation_prompt is not None else (
+            not continue_final)  # (vLLM's default is true, which continue_final_message must turn off)
+        if add_generation_prompt and continue_final:
+            raise HTTPError(400, "continue_final_message and add_generation_prompt cannot both be true: the last "
+                                 "message is either continued or followed by a new turn", param="continue_final_message")
+        messages = chat_messages(body)
+        req = GenerateRequest(prompt=messages, chat=True, params=params, api="chat", client=_peer(request),
                               fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
-                              add_special_tokens=body.add_special_tokens)
-        render = ChatRender(svc.model_name, body.logprobs)
+                              add_special_tokens=body.add_special_tokens, add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final)
+        echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
+        render = ChatRender(svc.model_name, body.logprobs, echo=echo)
         return await _generate(request, svc, [req], render, body)
     except RequestError as e:
         return _error(_from_request_error(e))

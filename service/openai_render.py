@@ -80,6 +80,12 @@ class _Base:
 class ChatRender(_Base):
     ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, model: str, logprobs: bool, index: int = 0, first: ChatRender | None = None,
+                 echo: str = "") -> None:
+        """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's)."""
+        super().__init__(model, logprobs, index, first)
+        self.echo = first.echo if first is not None else echo
+
     @staticmethod
     def _lp(lps: list[TokenLogprobs]) -> dict[str, Any]:
         def entry(tok: str, raw: bytes, lp: float) -> dict[str, Any]:
@@ -90,12 +96,16 @@ class ChatRender(_Base):
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
-        return {"index": self.index, "message": {"role": "assistant", "content": text},
+        return {"index": self.index, "message": {"role": "assistant", "content": self.echo + text},
                 "logprobs": self._lp(lps) if self.logprobs else None, "finish_reason": _finish_reason(h)}
 
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
-        return [self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}], include_usage)]
+        chunks = [self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}], include_usage)]
+        if self.echo:
+            chunks.append(self._chunk([{"index": self.index, "delta": {"content": self.echo}, "logprobs": None,
+                                        "finish_reason": None}], include_usage))
+        return chunks
 
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> dict[str, Any]:
         return self._chunk([{"index": self.index, "delta": {"content": text},

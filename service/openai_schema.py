@@ -110,9 +110,11 @@ class ChatCompletionRequest(CommonRequest):
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
-    echo: Any = None  # vLLM's chat extensions
-    add_generation_prompt: Any = None
-    continue_final_message: Any = None
+    # vLLM's chat extensions: the answer starts with the last message's text if that is the assistant's (`echo`); the
+    # template's generation prompt, or instead the last message left open for the answer to continue
+    echo: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     chat_template: Any = None
     chat_template_kwargs: Any = None
     documents: Any = None
@@ -139,9 +141,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((), "no guided decoding"),
     "audio": ((), "text output only"),
     "modalities": ((["text"],), "text output only"),
-    "echo": ((False,), "the prompt is not echoed"),
-    "suffix": ((), "no text insertion"),
-    "best_of": ((1,), "no best-of ranking: ask for n choices"),
     "structured_outputs": ((), "no structured output"),
     "structural_tag": ((), "no structured output"),
     "bad_words": (([],), "no banned words"),
@@ -152,16 +151,22 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((), "no prompt logprobs"),
     "logits_processors": (([],), "no custom logits processors"),
     "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text"),
-    "add_generation_prompt": ((True,), "the chat template always adds the assistant's turn"),
-    "continue_final_message": ((False,), "the chat template always adds the assistant's turn"),
     "chat_template": ((), "the model's own chat template only"),
     "chat_template_kwargs": (({},), "the model's own chat template only"),
     "documents": (([],), "the model's own chat template only"),
 }
 
 
+_COMPLETIONS_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((False,), "the prompt is not echoed"),
+    "suffix": ((), "no text insertion"),
+    "best_of": ((1,), "no best-of ranking: ask for n choices"),
+}
+
+
 def refuse_unsupported(body: CommonRequest) -> None:
-    for name, (neutral, missing) in _UNSUPPORTED.items():
+    refused = {**_UNSUPPORTED, **_COMPLETIONS_UNSUPPORTED} if isinstance(body, CompletionRequest) else _UNSUPPORTED
+    for name, (neutral, missing) in refused.items():
         value = getattr(body, name, None)
         if value is not None and value not in neutral:
             raise HTTPError(400, f"`{name}` is not supported by this server ({missing}); leave it out",

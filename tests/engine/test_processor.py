@@ -34,6 +34,21 @@ def test_prompt_ids_checks(proc: InputProcessor) -> None:
         proc.prompt_ids([-1, 5], chat=False)
 
 
+def test_the_chat_templates_options(proc: InputProcessor) -> None:
+    """vLLM's (and transformers') `add_generation_prompt` and `continue_final_message`: the prompt ends with the
+    assistant turn's opening, with the last message's end of turn, or inside the last message (a prefilled answer
+    the model continues). The tiny model's template is ChatML."""
+    user = [{"role": "user", "content": "hi"}]
+    opened = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert proc.chat_ids(user) == proc.text_ids(opened, add_special_tokens=False)
+    assert proc.chat_ids(user, add_generation_prompt=False) == proc.text_ids("<|im_start|>user\nhi<|im_end|>\n")
+    prefilled = [*user, {"role": "assistant", "content": "Once upon"}]
+    assert proc.tokenize(prefilled, chat=True, add_generation_prompt=False, continue_final_message=True) == \
+        proc.text_ids(opened + "Once upon")
+    with pytest.raises(ValueError, match="cannot both"):
+        proc.tokenize(prefilled, chat=True, continue_final_message=True)
+
+
 def test_a_text_gets_the_tokenizers_special_tokens_a_chat_its_templates(bos_model_dir) -> None:
     """As Hugging Face's tokenizers and vLLM: a text prompt is tokenized with the tokenizer's own special tokens (this
     one's BOS), a chat as its template writes it; `add_special_tokens` says otherwise; token ids stay as they are."""

@@ -270,7 +270,7 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
      "unsupported_parameter", "messages[0].content"),
     ("/v1/completions", {"prompt": "x", "echo": True}, "unsupported_parameter", "echo"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "unsupported_parameter", "best_of"),
-    ("/v1/completions", {"prompt": [[1], [2]]}, "invalid_message", "prompt"),
+    ("/v1/completions", {"prompt": [[1], []]}, "invalid_message", "prompt"),  # a batch with an empty prompt
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": "high"}}, "invalid_message", "logit_bias"),
 ]
 

@@ -23,9 +23,9 @@ class RecordingProcessor(InputProcessor):
     """Notes the thread of every templating/tokenizing call."""
     calls: list[tuple[str, str]] = []
 
-    def chat_ids(self, messages, add_special_tokens=False):
+    def chat_ids(self, messages, add_special_tokens=False, **template):
         self.calls.append(("chat", threading.current_thread().name))
-        return super().chat_ids(messages, add_special_tokens)
+        return super().chat_ids(messages, add_special_tokens, **template)
 
     def text_ids(self, text, add_special_tokens=True):
         self.calls.append(("text", threading.current_thread().name))

@@ -253,6 +253,34 @@ def test_a_batch_of_prompts(main_server: Server, client: openai.OpenAI, model: s
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
 
+def test_a_prefilled_answer(main_server: Server, client: openai.OpenAI, model: str) -> None:
+    """vLLM's `continue_final_message`: the answer continues the last (assistant's) message, as a completion of the
+    templated text up to it would; `echo` starts the answer with that message's text; `add_generation_prompt`
+    false ends the prompt after the last message's turn."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "The Nile,"}]
+    opened = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nName three rivers.<|im_end|>\n" \
+             "<|im_start|>assistant\n"
+    greedy = dict(model=model, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    expected = client.completions.create(prompt=opened + "The Nile,", **greedy).choices[0].text
+    r = client.chat.completions.create(messages=messages, **{**greedy, "extra_body": {
+        "ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False}})
+    assert r.choices[0].message.content == expected
+    r = client.chat.completions.create(messages=messages, **{**greedy, "extra_body": {
+        "ignore_eos": True, "continue_final_message": True, "echo": True}})  # (add_generation_prompt then false)
+    assert r.choices[0].message.content == "The Nile," + expected
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **{**greedy, "extra_body": {
+        "ignore_eos": True, "continue_final_message": True, "echo": True}}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The Nile," + expected
+    closed = client.completions.create(prompt=opened.removesuffix("<|im_start|>assistant\n"), **greedy).choices[0]
+    r = client.chat.completions.create(messages=MESSAGES, **{**greedy, "extra_body": {
+        "ignore_eos": True, "add_generation_prompt": False, "echo": True}})  # (the last message is not the assistant's)
+    assert r.choices[0].message.content == closed.text
+    with httpx.Client(base_url=main_server.url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={"model": model, "messages": messages,
+                                                    "continue_final_message": True, "add_generation_prompt": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def test_openai_errors(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
