@@ -98,9 +98,10 @@ class InputProcessor:
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         return a[:n]
 
-    def refuse_early(self, prompt: Messages | str | list[int]) -> None:
+    def refuse_early(self, prompt: Messages | str | list[int], truncated: bool = False) -> None:
         """Raises `PromptTooLongError` for token ids that fill the context, or text whose lower bound on tokens
-        fills EARLY_SLACK contexts.
+        fills EARLY_SLACK contexts; with `truncated` (only the prompt's last tokens are kept), token ids too only
+        from EARLY_SLACK contexts on.
 
         O(messages), no tokenizer: characters / MAX_CHARS_PER_TOKEN, plus what the template adds per message
         (28,000 one-character messages are refused here, not after a second of templating)."""
@@ -114,7 +115,8 @@ class InputProcessor:
                 bound += math.ceil(chars / MAX_CHARS_PER_TOKEN)
                 what = f"{len(prompt)} messages of {chars} characters"
         else:
-            bound, what, limit = len(prompt), f"{len(prompt)} tokens", self.max_model_len  # exact: no slack
+            bound, what = len(prompt), f"{len(prompt)} tokens"
+            limit = limit if truncated else self.max_model_len  # exact: no slack
         if bound >= limit:
             raise PromptTooLongError(f"the prompt ({what}) is at least {bound} tokens; the context is "
                                      f"{self.max_model_len} tokens")

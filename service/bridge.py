@@ -121,7 +121,7 @@ class EngineBridge:
         if self.fatal is not None or not self.ready or self._processor is None:
             raise RequestError("internal", "the engine is not running")
         try:
-            self._processor.refuse_early(req.prompt)
+            self._processor.refuse_early(req.prompt, truncated=req.truncate_prompt_tokens is not None)
         except PromptTooLongError as e:
             raise RequestError("prompt_too_long", str(e)) from None
         if self._num_queued >= self._max_queued:
@@ -140,7 +140,8 @@ class EngineBridge:
         assert self._processor is not None
         template = dict(add_generation_prompt=req.add_generation_prompt,
                         continue_final_message=req.continue_final_message) if req.chat else {}
-        return self._processor.tokenize(req.prompt, req.chat, req.add_special_tokens, **template)
+        ids = self._processor.tokenize(req.prompt, req.chat, req.add_special_tokens, **template)
+        return ids[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else ids
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request; it finishes with finish_reason "abort" after the engine's next step (or as soon as

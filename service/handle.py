@@ -51,6 +51,7 @@ class GenerateRequest:
     # a chat's template options (vLLM's, engine/processor.py `chat_ids`)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's), once tokenized
 
 
 class RequestHandle:

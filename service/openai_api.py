@@ -99,6 +99,9 @@ def _check_common(svc: Service, body: CommonRequest) -> None:
         raise HTTPError(400, "stream_options is only allowed when stream is true", param="stream_options",
                         code="invalid_message")
     refuse_unsupported(body)
+    if body.truncate_prompt_tokens == 0:
+        raise HTTPError(400, "truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds)",
+                        param="truncate_prompt_tokens")
     if not svc.accepting:
         raise HTTPError(503, "the server is starting or shutting down; retry shortly")
 
@@ -124,7 +127,7 @@ async def chat_completions(request: Request) -> Response:
         req = GenerateRequest(prompt=messages, chat=True, params=params, api="chat", client=_peer(request),
                               fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
                               add_special_tokens=body.add_special_tokens, add_generation_prompt=add_generation_prompt,
-                              continue_final_message=continue_final)
+                              continue_final_message=continue_final, truncate_prompt_tokens=_truncation(svc, body))
         echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
         render = ChatRender(svc.model_name, body.logprobs, echo=echo)
         return await _generate(request, svc, [req], render, body)
@@ -141,7 +144,7 @@ async def completions(request: Request) -> Response:
         _check_common(svc, body)
         params = sampling_params(max_tokens=body.max_tokens or 16, logprobs=body.logprobs, **body.sampling_kwargs())
         reqs = [GenerateRequest(prompt=prompt, chat=False, params=params, api="completions", client=_peer(request),
-                                add_special_tokens=body.add_special_tokens,
+                                add_special_tokens=body.add_special_tokens, truncate_prompt_tokens=_truncation(svc, body),
                                 fit_max_tokens=body.max_tokens is None)  # the default 16 fits; one asked for must
                 for prompt in completion_prompts(body)]
         render = CompletionRender(svc.model_name, body.logprobs is not None)
@@ -150,6 +153,12 @@ async def completions(request: Request) -> Response:
         return _error(_from_request_error(e))
     except HTTPError as e:
         return _error(e)
+
+
+def _truncation(svc: Service, body: CommonRequest) -> int | None:
+    """How many of the prompt's last tokens to keep: -1 is all that leave room for one new token."""
+    k = body.truncate_prompt_tokens
+    return svc.bridge.max_model_len - 1 if k == -1 else k
 
 
 def _card(svc: Service) -> dict[str, Any]:

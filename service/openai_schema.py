@@ -75,7 +75,8 @@ class CommonRequest(Struct):
     use_beam_search: Any = None
     length_penalty: Any = None
     skip_special_tokens: Any = None
-    truncate_prompt_tokens: Any = None
+    # vLLM's: only the prompt's last k tokens (its templated tokens, for a chat); -1: as many as the context holds
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     prompt_logprobs: Any = None
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
@@ -147,7 +148,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "no beam search"),
     "length_penalty": ((1, 1.0), "no beam search"),
     "skip_special_tokens": ((True,), "special tokens are never in the text"),
-    "truncate_prompt_tokens": ((), "prompts are never truncated"),
     "prompt_logprobs": ((), "no prompt logprobs"),
     "logits_processors": (([],), "no custom logits processors"),
     "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text"),

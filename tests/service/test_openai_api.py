@@ -281,6 +281,25 @@ def test_a_prefilled_answer(main_server: Server, client: openai.OpenAI, model: s
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+def test_truncate_prompt_tokens(main_server: Server, client: openai.OpenAI, model: str) -> None:
+    """vLLM's `truncate_prompt_tokens`: only the prompt's last k tokens are the prompt, even from a prompt longer than
+    the context; -1 keeps as many as leave room for a token."""
+    ids = [(i * 7) % 1000 + 16 for i in range(5000)]  # over the 4,096-token context
+    greedy = dict(model=model, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=ids, **{**greedy, "extra_body": {"ignore_eos": True,
+                                                                         "truncate_prompt_tokens": 10}})
+    assert r.usage.prompt_tokens == 10 and r.choices[0].text == client.completions.create(
+        prompt=ids[-10:], **greedy).choices[0].text
+    r = client.completions.create(prompt=ids, model=model, extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == MAIN_ENGINE["max_model_len"] - 1 and r.usage.completion_tokens == 1
+    r = client.chat.completions.create(messages=MESSAGES, **{**greedy, "extra_body": {"truncate_prompt_tokens": 5}})
+    assert r.usage.prompt_tokens == 5
+    with httpx.Client(base_url=main_server.url, timeout=60) as http:
+        for k in (0, -2):
+            r = http.post("/v1/completions", json={"model": model, "prompt": "hi", "truncate_prompt_tokens": k})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
 def test_openai_errors(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
