@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from engine import Checkpoint, LLMEngine, PromptTooLongError
+from engine import Checkpoint, LLMEngine, PromptTooLongError, SamplingParams
 from engine.processor import InputProcessor
 from service.engine_process import EngineProcess
 from service.engine_thread import Abort, Add, EngineHost, EngineReady, EngineThread, StepResult, Stop
@@ -75,7 +75,8 @@ class EngineBridge:
         self._num_queued = 0  # handles submitted but not started: the admission queue
         self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready
         self._tokenizer = FairExecutor("sluice-tokenizer", initializer=_yield_to_the_engine)  # clients in turn
-        self._tokenizing: dict[str, asyncio.Future[list[int]]] = {}  # request_id -> its prompt's ids, to come
+        # request_id -> its prompt's ids, to come, and the ids of the choices that share that prompt (`submit_choices`)
+        self._tokenizing: dict[str, tuple[asyncio.Future[list[int]], list[str]]] = {}
         self._aborted_early: set[str] = set()  # aborted while their prompt was queued or being tokenized
         self._rate = TokenRate()
         self.ready = False
@@ -118,22 +119,33 @@ class EngineBridge:
     def submit(self, req: GenerateRequest, notify: Callable[[], None]) -> RequestHandle:
         """Queue a request. Raises `RequestError` (prompt_too_long, overloaded, internal) at once for what is
         known without the tokenizer; the rest arrives as the handle's error."""
+        return self.submit_choices(req, notify, [req.params])[0]
+
+    def submit_choices(self, req: GenerateRequest, notify: Callable[[], None],
+                       params: list[SamplingParams]) -> list[RequestHandle]:
+        """Queue one request per entry of `params` (a response's choices, OpenAI's `n`), all on `req`'s prompt, which
+        is tokenized once. Raises as `submit`; more choices than the queue holds is invalid_message (naming `n`)."""
         if self.fatal is not None or not self.ready or self._processor is None:
             raise RequestError("internal", "the engine is not running")
         try:
             self._processor.refuse_early(req.prompt, truncated=req.truncate_prompt_tokens is not None)
         except PromptTooLongError as e:
             raise RequestError("prompt_too_long", str(e)) from None
-        if self._num_queued >= self._max_queued:
+        if len(params) > self._max_queued:
+            raise RequestError("invalid_message", f"{len(params)} choices are more than the server queues "
+                                                  f"({self._max_queued}, --max-queued-requests)", "n")
+        if self._num_queued + len(params) > self._max_queued:
             raise RequestError("overloaded", f"the server queue is full ({self._max_queued} requests "
                                              "waiting); retry later")
-        handle = RequestHandle(str(next(self._ids)), req.api, notify)
-        self._handles[handle.request_id] = handle
-        self._num_queued += 1
-        future = self._tokenizing[handle.request_id] = asyncio.wrap_future(
-            self._tokenizer.submit(req.client, self._tokenize, req))
-        future.add_done_callback(lambda f: self._tokenized(handle, req, f))
-        return handle
+        handles = [RequestHandle(str(next(self._ids)), req.api, notify) for _ in params]
+        future = asyncio.wrap_future(self._tokenizer.submit(req.client, self._tokenize, req))
+        group = [h.request_id for h in handles]
+        for h in handles:
+            self._handles[h.request_id] = h
+            self._tokenizing[h.request_id] = (future, group)
+        self._num_queued += len(handles)
+        future.add_done_callback(lambda f: [self._tokenized(h, req, p, f) for h, p in zip(handles, params)])
+        return handles
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         """On the tokenizer thread."""
@@ -148,7 +160,9 @@ class EngineBridge:
         its prompt is tokenized, if it is still being tokenized)."""
         if handle.request_id in self._tokenizing:
             self._aborted_early.add(handle.request_id)
-            self._tokenizing[handle.request_id].cancel()  # a prompt still queued is never tokenized
+            future, group = self._tokenizing[handle.request_id]
+            if self._aborted_early.issuperset(group):  # (the prompt of choices still wanted is tokenized)
+                future.cancel()  # a prompt still queued is never tokenized
         elif not handle.finished and self._engine is not None:
             self._engine.send(Abort(handle.request_id))
             if (sent := self._sent.get(handle.request_id)) is not None:
@@ -158,7 +172,8 @@ class EngineBridge:
         for handle in list(self._handles.values()):
             self.abort(handle)
 
-    def _tokenized(self, handle: RequestHandle, req: GenerateRequest, future: asyncio.Future[list[int]]) -> None:
+    def _tokenized(self, handle: RequestHandle, req: GenerateRequest, params: SamplingParams,
+                   future: asyncio.Future[list[int]]) -> None:
         """On the loop, each client's in submission order (service/fair_executor.py): hand the ids to the engine, or
         finish the request here."""
         del self._tokenizing[handle.request_id]
@@ -178,7 +193,7 @@ class EngineBridge:
             log.warning("request %s: tokenizing the prompt failed: %s: %s", handle.request_id, type(e).__name__, e)
             return self._finish(handle, None, RequestError("internal", "the server failed to tokenize the prompt"))
         assert self._engine is not None
-        add = Add(handle.request_id, ids, req.params, req.fit_max_tokens)
+        add = Add(handle.request_id, ids, params, req.fit_max_tokens)
         self._sent[handle.request_id] = _Sent(add)
         self._engine.send(add)
 

@@ -218,15 +218,18 @@ async def _generate(request: Request, svc: Service, reqs: list[GenerateRequest],
     handles: list[RequestHandle] = []
     streaming = False
     try:
-        for req in reqs:
-            for i in range(n):
-                try:
-                    handles.append(svc.bridge.submit(replace(req, params=_choice_params(req.params, i)), event.set))
-                except RequestError as e:
-                    raise _from_request_error(e, _prompt_param(body)) from None
-        # Streams too wait for every choice's first output, so admission errors still get a real HTTP status.
-        ready = ((lambda hs: all(h.finished for h in hs)) if not body.stream else
-                 (lambda hs: all(h.finished or h.started for h in hs)))
+        for req in reqs:  # (each prompt tokenized once for its choices)
+            try:
+                handles += svc.bridge.submit_choices(req, event.set, [_choice_params(req.params, i) for i in range(n)])
+            except RequestError as e:
+                raise _from_request_error(e, _prompt_param(body)) from None
+
+        def failed(hs: list[RequestHandle]) -> bool:  # (a failure ends the wait: the other choices go at once)
+            return any(h.finished and _failure(h, body) is not None for h in hs)
+
+        # Streams wait for the first output, so admission errors still get a real HTTP status.
+        ready = ((lambda hs: all(h.finished for h in hs) or failed(hs)) if not body.stream else
+                 (lambda hs: hs[0].started or hs[0].finished or failed(hs)))
         if not await _wait_for(request.receive, handles, event, ready):
             return Response(status_code=499)
         for h in handles:
@@ -266,10 +269,11 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, even
         while running:
             event.clear()  # (before taking: output pushed while a chunk is written wakes the next pass)
             for h, r in list(running.items()):
+                done = h.finished  # (before taking: what comes while the chunk is written is taken next pass)
                 text, _, lps = h.take()
                 if text or lps:
                     yield _event(r.stream_delta(text, lps, include_usage))
-                if not h.finished:
+                if not done:
                     continue
                 del running[h]
                 if (e := _failure(h, body)) is not None:

@@ -80,6 +80,27 @@ async def test_abort_while_tokenizing_never_reaches_the_engine(bridge: EngineBri
     assert bridge.num_in_flight == 0 and bridge._num_queued == 0 and bridge.stats.get("num_steps", 0) == steps
 
 
+async def test_choices_share_one_tokenization(bridge: EngineBridge) -> None:
+    """`submit_choices` (OpenAI's `n`): the prompt is templated and tokenized once for every choice; each choice runs
+    under its own parameters; aborting one while the prompt is tokenized leaves the others running; more choices
+    than the queue holds are refused as invalid, not as a retry-later overload."""
+    done = asyncio.Event()
+    chat = [{"role": "user", "content": "hi"}]
+    params = [SamplingParams(ignore_eos=True, max_tokens=k) for k in (2, 3, 4)]
+    handles = bridge.submit_choices(GenerateRequest(prompt=chat, chat=True, params=params[0]), done.set, params)
+    bridge.abort(handles[1])
+    while not all(h.finished for h in handles):
+        done.clear()
+        await asyncio.wait_for(done.wait(), 60)
+    assert [h.finish_reason for h in handles] == ["length", "abort", "length"]
+    assert [handles[0].completion_tokens, handles[2].completion_tokens] == [2, 4]
+    assert [kind for kind, _ in RecordingProcessor.calls] == ["chat"]
+    assert bridge.num_in_flight == 0 and bridge._num_queued == 0
+    with pytest.raises(RequestError) as e:
+        bridge.submit_choices(GenerateRequest(prompt="x", chat=False, params=params[0]), done.set, params * 6)
+    assert (e.value.code, e.value.param) == ("invalid_message", "n")  # 18 choices; the queue holds 16
+
+
 async def test_checks_that_need_the_token_count(bridge: EngineBridge) -> None:
     def req(prompt, max_tokens=None, fit=True):
         return GenerateRequest(prompt=prompt, chat=False, params=SamplingParams(max_tokens=max_tokens), fit_max_tokens=fit)

@@ -54,13 +54,13 @@ async def test_disconnect_in_the_tick_of_the_first_output_aborts(tiny_model_dir)
             return {"type": "http.disconnect"}
 
         handles = []
-        submit = bridge.submit
-        bridge.submit = lambda req, notify: handles.append(submit(req, notify)) or handles[-1]
+        submit = bridge.submit_choices
+        bridge.submit_choices = lambda req, notify, params: handles.extend(submit(req, notify, params)) or handles
         body = CompletionRequest(model="m", prompt="hello", stream=True)
         req = GenerateRequest(prompt="hello", chat=False, params=SamplingParams(ignore_eos=True, max_tokens=None),
                               api="completions")
         request = Request({"type": "http", "method": "POST", "headers": []}, receive)
-        await openai_api._generate(request, svc, req, openai_api.CompletionRender("m", False), body)
+        await openai_api._generate(request, svc, [req], openai_api.CompletionRender("m", False), body)
         (handle,) = handles
         for _ in range(1200):
             if handle.finished:
