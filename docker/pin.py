@@ -1,8 +1,9 @@
 """Prints pins for the image: every runtime dependency of the installed `sluice`, at the installed version.
 
 Run it in a venv where `pip install -e .` resolved what the image should ship; torch is left out (the
-Dockerfile's TORCH_VERSION picks the CPU or CUDA build):
-    .venv/bin/python docker/pin.py > docker/requirements.txt
+Dockerfile's TORCH_VERSION picks the CPU or CUDA build). Triton (xgrammar's) must be the version torch's CUDA
+build pins (torch 2.13.0: triton 3.7.1), which the cuda image installs beside it:
+    .venv/bin/pip install triton==3.7.1 && .venv/bin/python docker/pin.py > docker/requirements.txt
 """
 from __future__ import annotations
 

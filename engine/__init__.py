@@ -3,6 +3,8 @@ from engine.config import EngineConfig
 from engine.engine import DeviceError, LLMEngine, StepError
 from engine.request import (Checkpoint, CompletionOutput, InvalidSamplingParam, PromptTooLongError, RequestOutput,
                             SamplingParams, TokenLogprob)
+from engine.structured import StructuredOutput
 
 __all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StepError", "DeviceError", "Checkpoint",
-           "PromptTooLongError", "InvalidSamplingParam", "RequestOutput", "CompletionOutput", "TokenLogprob"]
+           "PromptTooLongError", "InvalidSamplingParam", "RequestOutput", "CompletionOutput", "TokenLogprob",
+           "StructuredOutput"]

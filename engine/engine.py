@@ -35,6 +35,7 @@ from engine.request import (PLACEHOLDER, Checkpoint, CompletionOutput, InvalidSa
                             Request, RequestOutput, SamplingParams, Status)
 from engine.sampler import SeededStream
 from engine.scheduler import Batch, Scheduler
+from engine.structured import Grammars
 from engine.step_cost import attention_work
 
 log = logging.getLogger("sluice.engine")
@@ -267,12 +268,29 @@ class LLMEngine:
                                     else set(params.allowed_token_ids) <= set(ban)):
                 raise InvalidSamplingParam("min_tokens", "min_tokens: every token that may be sampled ends the request "
                                            "(stop_token_ids, EOS), so none could come before the minimum")
+        if params.structured_output is not None:
+            req.matcher = self._matcher(params)
         if params.seed is not None:
             req.generator = self.runner.sampler.make_generator(params.seed)
         if resume is not None:
             _resume(req, resume)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _matcher(self, params: SamplingParams) -> Any:
+        """A grammar matcher for `params.structured_output` (engine/structured.py); `InvalidSamplingParam` naming its
+        field if it cannot be compiled, or if another parameter leaves it no token to choose."""
+        so = params.structured_output
+        assert so is not None
+        for name, clash in (("min_tokens", params.min_tokens > 0), ("allowed_token_ids", params.allowed_token_ids)):
+            if clash:  # (both keep tokens out: the grammar's next one, its end say, could be among them)
+                raise InvalidSamplingParam(so.param, f"{so.param}: structured output cannot be combined with {name}")
+        if self.runner.sampler.grammars is None:
+            self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        try:
+            return self.runner.sampler.grammars.matcher(so)
+        except ValueError as e:
+            raise InvalidSamplingParam(so.param, f"{so.param}: {e}") from None
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -617,6 +635,11 @@ class LLMEngine:
             if logprobs and logprobs[i]:
                 e.logprobs.append(logprobs[i])
             reason, matched_stop_string = None, False
+            if req.matcher is not None:  # (a token it does not allow: this request fails, see `_commit`)
+                if not req.matcher.accept_token(token):
+                    raise RuntimeError(f"token {token} is not one its structured output allows")
+                if req.matcher.is_terminated():  # the grammar is complete and took its end: nothing may follow
+                    reason = "stop"
             if stops and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
                 reason = "stop"  # the stop token itself shows up in token ids, never in text
             elif not p.stop:
@@ -833,6 +856,8 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
         stops = not req.below_min_tokens()  # (as `_append_tokens` decides it)
         req.token_ids.append(token)
         req.detok.add_token(token, stops)
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            raise ValueError(f"a checkpoint's token {token} is not one its structured output allows")
     if ckpt.num_text_chars > req.detok.num_chars:
         raise ValueError(f"a checkpoint claims {ckpt.num_text_chars} characters of text; its tokens make "
                          f"{req.detok.num_chars}")

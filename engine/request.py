@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from engine.structured import StructuredOutput
+
 
 class PromptTooLongError(ValueError):
     """The prompt does not fit in max_model_len with room for at least one new token (or for max_tokens: then
@@ -53,7 +55,10 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None  # (OpenAI's) token id -> a bias in [-100, 100] added to its logit
     allowed_token_ids: list[int] | None = None  # (vLLM's) only these may be sampled
-    # any of penalties, logit_bias, allowed_token_ids or min_tokens: the sampler adjusts this request's logits
+    # the text must be JSON (of a schema), match a regular expression or be one of some strings (engine/structured.py)
+    structured_output: StructuredOutput | None = None
+    # any of penalties, logit_bias, allowed_token_ids, min_tokens or structured_output: the sampler adjusts this
+    # request's logits
     adjusts_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -92,8 +97,10 @@ class SamplingParams:
             self.top_k = 0
         if self.temperature < SAMPLING_EPS:  # (as vLLM) dividing by it would overflow the logits: greedy is its limit
             self.temperature = 0.0
+        need(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+             "structured_output", "must be an engine.structured.StructuredOutput")
         self.adjusts_logits = (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
-                               or self.min_tokens > 0)
+                               or self.min_tokens > 0 or self.structured_output is not None)
 
     @property
     def greedy(self) -> bool:
@@ -150,6 +157,7 @@ class Request:
         self.biases = None  # the sampler's: (token ids, values) of its logit_bias on the device, made once
         self.ban = None  # the sampler's: (token ids, -inf) of min_tokens_banned on the device, made once
         self.allowed = None  # the sampler's: allowed_token_ids as a mask over the vocabulary on the device, made once
+        self.matcher = None  # params.structured_output's grammar matcher (xgrammar), set by the engine
         # the tokens `params.min_tokens` keeps the sampler from drawing until that many are out (EOS, stop_token_ids),
         # set by the engine; None when there is no minimum (or nothing to keep out)
         self.min_tokens_banned: list[int] | None = None

@@ -16,6 +16,7 @@ from itertools import chain
 import torch
 
 from engine.request import SAMPLING_EPS, Request, TokenLogprob
+from engine.structured import Grammars
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -258,6 +259,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.last: torch.Tensor | None = None  # the last call's tokens, on the device
+        self.grammars: Grammars | None = None  # structured output's compiler, made by the engine at first use
 
     def make_generator(self, seed: int) -> SeededStream:
         return SeededStream(seed)
@@ -270,6 +272,9 @@ class Sampler:
             logits = logits.clone(memory_format=torch.contiguous_format)  # (they work on its flat view)
             apply_penalties(logits, reqs)
             apply_biases(logits, reqs)
+            if rows := [i for i, r in enumerate(reqs) if r.matcher is not None]:
+                assert self.grammars is not None
+                self.grammars.apply(logits, rows, [reqs[i].matcher for i in rows])
         greedy_tokens = logits.argmax(-1)
         tokens = greedy_tokens.clone()
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]

@@ -9,11 +9,12 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from engine import InvalidSamplingParam
 from service import json_guard
 from service.openai_errors import HTTPError
 from service.protocol import (
     SAMPLING_FIELDS, MaxTokens, MinP, MinTokens, Penalty, RepetitionPenalty, Seed, StopString, StopStrings, Temperature,
-    TopK, TopP,
+    TopK, TopP, structured_output,
 )
 
 
@@ -62,14 +63,14 @@ class CommonRequest(Struct):
     # token ids (as strings: JSON's keys) -> a bias added to the token's logit
     logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)] | None = None
     allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None  # (vLLM's)
-    # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
+    # structured output (service/protocol.py `structured_output`): OpenAI's, and vLLM's extensions
     response_format: Any = None
-    # vLLM's extensions (its sampling and structured-output parameters)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
-    guided_grammar: Any = None
     structured_outputs: Any = None
+    # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
+    guided_grammar: Any = None
     structural_tag: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
@@ -97,6 +98,14 @@ class CommonRequest(Struct):
                 raise HTTPError(400, "logit_bias: each key must be a token id (a decimal integer, no leading zeros)",
                                 param="logit_bias", code="invalid_message")
             kwargs["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        try:
+            so = structured_output(response_format=self.response_format, guided_json=self.guided_json,
+                                   guided_regex=self.guided_regex, guided_choice=self.guided_choice,
+                                   structured_outputs=self.structured_outputs)
+        except InvalidSamplingParam as e:
+            raise HTTPError(400, str(e), param=e.param, code="invalid_message") from None
+        if so is not None:
+            kwargs["structured_output"] = so
         return kwargs
 
 
@@ -135,14 +144,9 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": (([],), "no tool calling"),
     "tool_choice": (("none", "auto"), "no tool calling"),
     "function_call": (("none", "auto"), "no tool calling"),
-    "response_format": (({"type": "text"},), 'no structured output: only {"type": "text"}'),
-    "guided_json": ((), "no guided decoding"),
-    "guided_regex": ((), "no guided decoding"),
-    "guided_choice": ((), "no guided decoding"),
     "guided_grammar": ((), "no guided decoding"),
     "audio": ((), "text output only"),
     "modalities": ((["text"],), "text output only"),
-    "structured_outputs": ((), "no structured output"),
     "structural_tag": ((), "no structured output"),
     "bad_words": (([],), "no banned words"),
     "use_beam_search": ((False,), "no beam search"),

@@ -6,11 +6,13 @@ Unknown fields are rejected so typos do not pass silently.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Raw, Struct
 
+from engine import InvalidSamplingParam, StructuredOutput
 from service import json_guard
 
 PROTOCOL_VERSION = 1
@@ -38,6 +40,61 @@ Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 StopStrings = Annotated[list[StopString], Meta(max_length=16)]
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "stop", "ignore_eos", "min_tokens")
+
+
+def structured_output(**given: Any) -> StructuredOutput | None:
+    """What a request's structured-output fields ask for (engine/structured.py), from whichever one is set:
+    OpenAI's `response_format` (`{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}`),
+    vLLM's `guided_json` (a schema, or its JSON text), `guided_regex`, `guided_choice` (strings) or
+    `structured_outputs` (`{"json" | "regex" | "choice" | "json_object": ...}`). Raises `InvalidSamplingParam`
+    naming the field at fault; more than one set is refused."""
+    given = {k: v for k, v in given.items() if v is not None and not (k == "response_format" and v == {"type": "text"})}
+    if not given:
+        return None
+    if len(given) > 1:
+        name = sorted(given)[1]
+        raise InvalidSamplingParam(name, f"{name}: only one of {', '.join(sorted(given))} may be given")
+    (name, value), = given.items()
+    if name == "structured_outputs":
+        if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in ("json", "regex", "choice",
+                                                                                         "json_object"):
+            raise InvalidSamplingParam(name, f"{name} must hold one of json, regex, choice or json_object")
+        (key, value), = value.items()
+        name, kind = f"{name}.{key}", key
+    elif name == "response_format":
+        if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+            raise InvalidSamplingParam(name, f'{name}.type must be "text", "json_object" or "json_schema"')
+        if value["type"] == "text":
+            return None
+        kind = "json_object" if value["type"] == "json_object" else "json"
+        if kind == "json":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise InvalidSamplingParam(name, f"{name}.json_schema must be an object whose schema is an object")
+            value = spec.get("schema")
+            kind = "json" if value is not None else "json_object"
+    else:
+        kind = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}[name]
+    if kind == "json_object":
+        if value not in (True, None) and name.startswith("structured_outputs"):
+            raise InvalidSamplingParam(name, f"{name} must be true")
+        return StructuredOutput("json_object", param=name)
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise InvalidSamplingParam(name, f"{name}: a JSON schema, as an object or its JSON text") from None
+        if not isinstance(value, (dict, bool)):
+            raise InvalidSamplingParam(name, f"{name}: a JSON schema, as an object or its JSON text")
+        return StructuredOutput("json", json.dumps(value), name)
+    if kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise InvalidSamplingParam(name, f"{name} must be a non-empty regular expression")
+        return StructuredOutput("regex", value, name)
+    if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        raise InvalidSamplingParam(name, f"{name} must be a non-empty list of non-empty strings")
+    return StructuredOutput.choice(value, name)
 
 
 class _In(Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -68,10 +125,15 @@ class Chat(_In, tag="chat"):
     stop: StopStrings | None = None
     ignore_eos: bool | None = None
     min_tokens: MinTokens | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's (`structured_output`)
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """The sampling fields the client set (`SamplingParams` keyword arguments), max_tokens excluded."""
-        return {n: getattr(self, n) for n in SAMPLING_FIELDS if getattr(self, n) is not None}
+        """The sampling fields the client set (`SamplingParams` keyword arguments), max_tokens excluded. Raises
+        `InvalidSamplingParam` for a `response_format` it cannot take."""
+        kwargs = {n: getattr(self, n) for n in SAMPLING_FIELDS if getattr(self, n) is not None}
+        if (so := structured_output(response_format=self.response_format)) is not None:
+            kwargs["structured_output"] = so
+        return kwargs
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content} for m in self.messages]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from starlette.status import WS_1008_POLICY_VIOLATION
 
+from engine import InvalidSamplingParam
 from service.auth import key_matches
 from service.handle import GenerateRequest, RequestError, RequestHandle, sampling_params
 from service.protocol import (
@@ -120,6 +121,9 @@ class Session:
             handle = self.svc.bridge.submit(request, lambda: self._mark(msg.id))
         except RequestError as e:
             self.error(e.code, e.message, msg.id)
+            return
+        except InvalidSamplingParam as e:  # (a `response_format` it cannot take)
+            self.error("invalid_message", str(e), msg.id)
             return
         self.chats[msg.id] = _Chat(msg.id, handle)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Checkpoint, DeviceError, EngineConfig, LLMEngine, SamplingParams
+from engine import Checkpoint, DeviceError, EngineConfig, LLMEngine, SamplingParams, StructuredOutput
 
 MAX_LEN = 256
 N = 24  # tokens per request
@@ -34,6 +34,9 @@ def _requests(stop: str) -> list[tuple[str, list[int], SamplingParams]]:
                                                         ignore_eos=True)),
         ("stop", _prompt(5), SamplingParams(max_tokens=N, temperature=0.0, stop=[stop], ignore_eos=True)),
         ("logprobs", _prompt(6), SamplingParams(max_tokens=N, temperature=0.0, logprobs=2, ignore_eos=True)),
+        # its grammar's matcher is where the checkpoint's tokens left it, in the resumed engine too
+        ("structured", _prompt(7), SamplingParams(max_tokens=N, temperature=1.0, seed=9, structured_output=StructuredOutput(
+            "json", '{"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}}'))),
         # the stop string shows up in its first min_tokens: ignored there, in the resumed engine too
         ("min-tokens", _prompt(5), SamplingParams(max_tokens=N, temperature=0.0, stop=[stop], min_tokens=N - 4,
                                                   ignore_eos=True)),

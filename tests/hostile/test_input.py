@@ -257,13 +257,14 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
      "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "unsupported_parameter", "functions"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "invalid_message", "response_format"),
+    ("/v1/chat/completions", {"guided_grammar": "root ::= \"x\""}, "unsupported_parameter", "guided_grammar"),
     ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "invalid_message", "logit_bias"),  # not in the vocabulary
     ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "invalid_message", "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"five": 1}}, "invalid_message", "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"-5": 1}}, "invalid_message", "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"5": 1, "05": -1}}, "invalid_message", "logit_bias"),  # token 5 twice
-    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "unsupported_parameter", "guided_json"),
+    ("/v1/chat/completions", {"guided_json": [1]}, "invalid_message", "guided_json"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "unsupported_parameter",
      "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

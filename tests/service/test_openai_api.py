@@ -3,6 +3,7 @@ client disconnects abort; `/metrics` parsed by prometheus_client matches the req
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 
 import httpx
@@ -102,7 +103,7 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
                                                  "stream": None, "echo": None, "logprobs": None})):
             r = http.post(route, json=body)
             assert r.status_code == 200, r.text
-        for name, value in (("structured_outputs", {"json": {"type": "object"}}),
+        for name, value in (("guided_grammar", "root ::= \"x\""),
                             ("bad_words", ["o"]),
                             ("use_beam_search", True), ("prompt_logprobs", 1), ("chat_template", "{{ x }}")):
             r = http.post("/v1/chat/completions", json={**chat, name: value})
@@ -298,6 +299,43 @@ def test_truncate_prompt_tokens(main_server: Server, client: openai.OpenAI, mode
         for k in (0, -2):
             r = http.post("/v1/completions", json={"model": model, "prompt": "hi", "truncate_prompt_tokens": k})
             assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_structured_output(main_server: Server, client: openai.OpenAI, model: str) -> None:
+    """OpenAI's `response_format` (a JSON schema) and vLLM's `guided_choice`, `guided_regex` and `structured_outputs`
+    hold the text to them, the tiny model's random weights notwithstanding; a bad one is a 400 naming its field."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+              "required": ["color", "ok"], "additionalProperties": False}
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=200, seed=1, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}, n=2)
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), schema)
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=20, temperature=0.0,
+                                       extra_body={"guided_choice": ["Nile", "Amazon", "Danube"]})
+    assert r.choices[0].message.content in ("Nile", "Amazon", "Danube") and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=model, prompt="Call", max_tokens=30, seed=2, stream=True,
+                                            extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}))
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", "".join(c.choices[0].text for c in chunks))
+    chat = {"model": model, "messages": MESSAGES, "max_tokens": 4}
+    with httpx.Client(base_url=main_server.url, timeout=60) as http:
+        for extra, param in (({"response_format": {"type": "xml"}}, "response_format"),
+                             ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+                              "response_format"),
+                             ({"guided_json": "{nope"}, "guided_json"),
+                             ({"guided_regex": "[a-"}, "guided_regex"),  # (the engine's compiler refuses it)
+                             ({"guided_choice": []}, "guided_choice"),
+                             ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex"),  # two at once
+                             ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+                             ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "response_format")):
+            r = http.post("/v1/chat/completions", json={**chat, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+        r = http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}})
+        assert r.status_code == 200, r.text
 
 
 def test_openai_errors(client: openai.OpenAI, model: str) -> None:

@@ -136,6 +136,8 @@ async def test_every_frame_error_code_keeps_the_connection(main_server: Server) 
     await send(ws, type="chat", id="t", messages=[{"role": "user", "content": "hi"}], max_tokens=3, min_tokens=4)
     msg = await expect_error("invalid_message", "t")
     assert "min_tokens" in msg["message"] and msg.get("param", "min_tokens") == "min_tokens"
+    await send(ws, type="chat", id="t", messages=[{"role": "user", "content": "hi"}], response_format={"type": "xml"})
+    assert "response_format" in (await expect_error("invalid_message", "t"))["message"]
     await send(ws, type="chat", id="", messages=[{"role": "user", "content": "hi"}])
     await expect_error("invalid_message")
     await send(ws, type="chat", id="t", messages=[])
@@ -163,6 +165,20 @@ async def test_every_frame_error_code_keeps_the_connection(main_server: Server) 
     assert await recv(ws) == {"type": "pong", "data": {"still": ["here", 1]}}
     await ws.send(json.dumps(user_chat("after", "hi", max_tokens=3, temperature=0.0)))
     check_chat_frames((await collect(ws, {"after"}))["after"])
+    await ws.close()
+
+
+async def test_a_chat_held_to_a_json_schema(main_server: Server) -> None:
+    """`response_format` (OpenAI's shape) on a WebSocket chat: its text is JSON of the schema, then it ends."""
+    schema = {"type": "object", "properties": {"river": {"enum": ["Nile", "Amazon"]}, "long": {"type": "boolean"}},
+              "required": ["river", "long"], "additionalProperties": False}
+    ws = await open_ws(main_server)
+    await send(ws, type="chat", id="j", messages=[{"role": "user", "content": "A river?"}], max_tokens=200, seed=3,
+               response_format={"type": "json_schema", "json_schema": {"name": "river", "schema": schema}})
+    frames = (await collect(ws, {"j"}))["j"]
+    assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "stop", frames[-1]
+    answer = json.loads("".join(f["text"] for f in frames if f["type"] == "delta"))
+    assert answer["river"] in ("Nile", "Amazon") and isinstance(answer["long"], bool) and len(answer) == 2
     await ws.close()
 
 

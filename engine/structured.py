@@ -1,0 +1,94 @@
+"""Structured output: a request's tokens held to a JSON schema, any JSON object, a regular expression or a choice
+of strings (OpenAI's `response_format`, vLLM's `guided_*`), with xgrammar's grammar matchers, as vLLM does.
+
+Each such request has a `GrammarMatcher` (`Request.matcher`): before its token is drawn, the sampler masks every
+token the grammar does not allow next (`apply_grammars`, one bitmask for the batch); the engine feeds each committed
+token to it (`LLMEngine._append_tokens`), and the request ends ("stop") once the grammar is complete and has taken
+its end (EOS). Grammars are compiled once per engine and spec (xgrammar's cache), on the engine thread; xgrammar is
+imported the first time a request asks for one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+log = logging.getLogger("sluice.engine")
+
+Kind = Literal["json", "json_object", "regex", "choice"]
+KINDS = ("json", "json_object", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's text must be: `json` (a JSON schema, as JSON text, in `spec`), `json_object` (any JSON
+    object), `regex` (`spec` a regular expression), `choice` (`spec` a JSON list of the strings allowed). `param`
+    names the request field it came from, for errors (`response_format`, vLLM's `guided_json`, ...)."""
+
+    kind: Kind
+    spec: str = ""
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
+
+    @classmethod
+    def choice(cls, options: list[str], param: str = "guided_choice") -> StructuredOutput:
+        return cls("choice", json.dumps(options, ensure_ascii=False), param)
+
+
+class Grammars:
+    """One engine's grammar compiler (over its tokenizer's vocabulary and the model's vocabulary size) and the
+    matchers it makes."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> None:
+        import xgrammar  # (seconds at first import: only once a request asks for structured output)
+
+        self.xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=sorted(eos_token_ids))
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self.vocab_size = vocab_size
+        # NOTE: xgrammar takes added special tokens (<|im_start|>) for text: one could land inside a JSON string,
+        # where the text (which never shows special tokens) would lose it. Only the grammar's end (EOS) may come.
+        self.banned = sorted(i for i in getattr(tokenizer, "all_special_ids", []) if i not in eos_token_ids
+                             and 0 <= i < vocab_size)
+        self._bitmask: torch.Tensor | None = None
+
+    def matcher(self, so: StructuredOutput) -> Any:
+        """A new matcher for `so`; raises ValueError if its schema, expression or choices cannot be compiled."""
+        try:
+            # NOTE: JSON without whitespace between its tokens, as OpenAI's structured outputs write it: a model can
+            # loop on whitespace forever where a grammar allows any (vLLM's `disable_any_whitespace`)
+            if so.kind == "json":
+                compiled = self.compiler.compile_json_schema(so.spec, any_whitespace=False)
+            elif so.kind == "json_object":
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif so.kind == "regex":
+                compiled = self.compiler.compile_regex(so.spec)
+            else:
+                options = json.loads(so.spec)
+                compiled = self.compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with the reason
+            raise ValueError(f"cannot compile it: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") \
+                from None
+        return self.xgr.GrammarMatcher(compiled)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+        """In place: -inf on every token of row `rows[i]` that `matchers[i]` does not allow next."""
+        n, words = logits.shape[0], (self.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = torch.empty(max(n, 64), words, dtype=torch.int32)
+        bitmask = self._bitmask[:n]  # (row i of the logits is row i of the bitmask: `indices` picks both)
+        for i, m in zip(rows, matchers):
+            m.fill_next_token_bitmask(bitmask, i)
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                             vocab_size=self.vocab_size, indices=rows)
+        if self.banned:
+            at = torch.tensor(rows, device=logits.device)
+            logits[at[:, None], torch.tensor(self.banned, device=logits.device)[None, :]] = float("-inf")

@@ -1,0 +1,93 @@
+"""Structured output (engine/structured.py): a request's text held to a JSON schema, any JSON object, a regular
+expression or a choice of strings, under every loop (plain, async outputs, async scheduling, speculation) with the
+same tokens, and to its end: the grammar's completion ends the request, even with `ignore_eos`."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine import EngineConfig, InvalidSamplingParam, LLMEngine, SamplingParams, StructuredOutput
+from tests.engine.test_async_output import streams
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer"},
+                                           "ok": {"type": "boolean"}},
+          "required": ["color", "n", "ok"], "additionalProperties": False}
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["yes", "no", "maybe so"]
+PROMPTS = [[3 + (i * 7919 + j * 31) % 1000 for j in range(12 + i)] for i in range(6)]
+
+
+def _closing(model) -> dict[int, float]:
+    """A bias toward the tokens that end a JSON string or object: with the tiny model's random weights, a free key
+    or string would otherwise run on for hundreds of tokens."""
+    from engine.loader import load_tokenizer
+
+    tok = load_tokenizer(model)
+    return {i: 6.0 for i in range(len(tok)) if any(c in tok.decode([i]) for c in '"}')}
+
+
+def _params(model) -> list[SamplingParams]:
+    """Seeded sampling (the tiny model's random weights make the grammar do all the work), a greedy choice, and a
+    free request beside them."""
+    return [
+        SamplingParams(max_tokens=400, temperature=1.0, seed=1, structured_output=StructuredOutput("json", json.dumps(SCHEMA))),
+        SamplingParams(max_tokens=400, temperature=1.0, seed=2, structured_output=StructuredOutput("json_object"),
+                       logit_bias=_closing(model)),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured_output=StructuredOutput("regex", REGEX)),
+        SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutput.choice(CHOICES)),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=4, ignore_eos=True,  # ends anyway: the grammar is done
+                       structured_output=StructuredOutput.choice(CHOICES)),
+        SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+    ]
+
+
+def _engine(model, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), dtype="float32", device="cpu", num_kv_blocks=256,
+                                  max_model_len=1024, **kw))
+
+
+def _texts(got: dict[str, list[tuple]]) -> dict[str, tuple[str, str]]:
+    return {rid: ("".join(o[1] for o in outs), outs[-1][3]) for rid, outs in got.items()}
+
+
+def test_the_text_follows_its_grammar(tiny_model_dir):
+    got = _texts(streams(_engine(tiny_model_dir), PROMPTS, _params(tiny_model_dir)))
+    assert all(reason == "stop" for rid, (_, reason) in got.items() if rid != "r5"), got
+    jsonschema.validate(json.loads(got["r0"][0]), SCHEMA)
+    assert isinstance(json.loads(got["r1"][0]), dict)
+    assert re.fullmatch(REGEX, got["r2"][0]), got["r2"]
+    assert got["r3"][0] in CHOICES and got["r4"][0] in CHOICES
+    assert got["r5"][1] == "length"  # (the free request: not held to anything)
+
+
+@pytest.mark.parametrize("loop", ["async_output_proc", "async_scheduling", "speculative"])
+def test_same_tokens_under_every_loop(tiny_model_dir, loop):
+    """Under async scheduling a step's grammar masks are made once the step before it is committed (its sampling is
+    queued after that commit); speculation never drafts for such a request."""
+    kw = {"speculative": "ngram", "num_speculative_tokens": 3} if loop == "speculative" else {loop: True}
+    plain, other = _engine(tiny_model_dir), _engine(tiny_model_dir, **kw)
+    a, b = streams(plain, PROMPTS, _params(tiny_model_dir)), streams(other, PROMPTS, _params(tiny_model_dir))
+    tokens = {rid: [t for o in outs for t in o[0]] for rid, outs in a.items()}
+    assert tokens == {rid: [t for o in outs for t in o[0]] for rid, outs in b.items()}
+    assert _texts(a) == _texts(b)
+    if loop == "speculative":
+        assert other.stats()["spec_draft_tokens"] > 0  # (the free request drafted; the others never)
+
+
+def test_refused(tiny_model_dir):
+    eng = _engine(tiny_model_dir)
+    for so, match in ((StructuredOutput("json", "{not json"), "cannot compile"),
+                      (StructuredOutput("regex", "[a-", "guided_regex"), "cannot compile")):
+        with pytest.raises(InvalidSamplingParam, match=match) as e:
+            eng.add_request("bad", [5, 6, 7], SamplingParams(structured_output=so))
+        assert e.value.param == so.param
+    for clash in ({"min_tokens": 2}, {"allowed_token_ids": [5, 6]}):
+        with pytest.raises(InvalidSamplingParam, match="cannot be combined") as e:
+            eng.add_request("bad", [5, 6, 7], SamplingParams(structured_output=StructuredOutput("json_object"), **clash))
+        assert e.value.param == "response_format"
+    with pytest.raises(ValueError, match="kind"):
+        StructuredOutput("yaml")
+    assert not eng.requests
