@@ -727,16 +727,18 @@ class LLMEngine:
     # -- conveniences ----------------------------------------------------------------------
 
     def generate(
-        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+        *, add_special_tokens: bool = True,
     ) -> list[CompletionOutput]:
-        """Runs `prompts` to completion. Drives `step()` itself: not for use beside other step() callers."""
+        """Runs `prompts` to completion. Drives `step()` itself: not for use beside other step() callers.
+        `add_special_tokens`: as `add_request`'s."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(params_list)} SamplingParams")
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params_list):
-                self.add_request(rid, prompt, p)
+                self.add_request(rid, prompt, p, add_special_tokens=add_special_tokens)
         except Exception:  # all or nothing: a bad prompt leaves no orphans behind
             for rid in ids:
                 self.abort(rid)

@@ -66,6 +66,11 @@ def test_a_text_gets_the_tokenizers_special_tokens_a_chat_its_templates(bos_mode
     eng.add_request("text", "hello", SamplingParams(max_tokens=1))
     eng.add_request("bare", "hello", SamplingParams(max_tokens=1), add_special_tokens=False)
     assert eng.requests["text"].token_ids == [bos] + plain and eng.requests["bare"].token_ids == plain
+    for rid in ("text", "bare"):
+        eng.abort(rid)
+    eng.step()
+    with_bos, bare = (eng.generate(["hello"], SamplingParams(max_tokens=1), add_special_tokens=a)[0] for a in (True, False))
+    assert (with_bos.num_prompt_tokens, bare.num_prompt_tokens) == (len(plain) + 1, len(plain))
 
 
 def test_tokenize_does_not_check_the_engine_does(proc: InputProcessor) -> None:
