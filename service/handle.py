@@ -13,9 +13,9 @@ from typing import Any
 from engine import SamplingParams
 from service.protocol import ErrorCode
 
-# (token name, its bytes, logprob, [(top token's name, bytes, logprob), ...]) per generated token
+# (token id, its name, its bytes, logprob, [(top token's id, name, bytes, logprob), ...]) per generated token
 # (engine/detokenizer.py TokenText: a token's own bytes may split a character; its name writes such bytes `\xNN`)
-TokenLogprobs = tuple[str, bytes, float, list[tuple[str, bytes, float]]]
+TokenLogprobs = tuple[int, str, bytes, float, list[tuple[int, str, bytes, float]]]
 
 
 class RequestError(Exception):

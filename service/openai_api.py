@@ -129,7 +129,7 @@ async def chat_completions(request: Request) -> Response:
                               add_special_tokens=body.add_special_tokens, add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final, truncate_prompt_tokens=_truncation(svc, body))
         echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
-        render = ChatRender(svc.model_name, body.logprobs, echo=echo)
+        render = ChatRender(svc.model_name, body.logprobs, echo=echo, token_ids=bool(body.return_tokens_as_token_ids))
         return await _generate(request, svc, [req], render, body)
     except RequestError as e:
         return _error(_from_request_error(e))
@@ -147,7 +147,8 @@ async def completions(request: Request) -> Response:
                                 add_special_tokens=body.add_special_tokens, truncate_prompt_tokens=_truncation(svc, body),
                                 fit_max_tokens=body.max_tokens is None)  # the default 16 fits; one asked for must
                 for prompt in completion_prompts(body)]
-        render = CompletionRender(svc.model_name, body.logprobs is not None)
+        render = CompletionRender(svc.model_name, body.logprobs is not None,
+                                  token_ids=bool(body.return_tokens_as_token_ids))
         return await _generate(request, svc, reqs, render, body)
     except RequestError as e:
         return _error(_from_request_error(e))

@@ -45,17 +45,23 @@ class Render(Protocol):
 class _Base:
     ID_PREFIX = OBJECT = CHUNK_OBJECT = ""
 
-    def __init__(self, model: str, logprobs: bool, index: int = 0, first: _Base | None = None) -> None:
+    def __init__(self, model: str, logprobs: bool, index: int = 0, first: _Base | None = None, *,
+                 token_ids: bool = False) -> None:
+        """`token_ids`: logprobs name each token `token_id:N` (vLLM's `return_tokens_as_token_ids`)."""
         self.id = first.id if first is not None else f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
         self.created = first.created if first is not None else int(time.time())
         self.model = model
         self.logprobs = logprobs
         self.index = index
+        self.token_ids = first.token_ids if first is not None else token_ids
 
     def siblings(self, n: int) -> list[Render]:
         """This renderer (the first choice's) and those of the response's n - 1 other choices (over every prompt of a
         batch)."""
         return [self, *(type(self)(self.model, self.logprobs, i, self) for i in range(1, n))]
+
+    def _name(self, token_id: int, name: str) -> str:
+        return f"token_id:{token_id}" if self.token_ids else name
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         raise NotImplementedError
@@ -80,19 +86,18 @@ class _Base:
 class ChatRender(_Base):
     ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str, logprobs: bool, index: int = 0, first: ChatRender | None = None,
-                 echo: str = "") -> None:
+    def __init__(self, model: str, logprobs: bool, index: int = 0, first: ChatRender | None = None, *,
+                 echo: str = "", token_ids: bool = False) -> None:
         """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's)."""
-        super().__init__(model, logprobs, index, first)
+        super().__init__(model, logprobs, index, first, token_ids=token_ids)
         self.echo = first.echo if first is not None else echo
 
-    @staticmethod
-    def _lp(lps: list[TokenLogprobs]) -> dict[str, Any]:
-        def entry(tok: str, raw: bytes, lp: float) -> dict[str, Any]:
-            return {"token": tok, "logprob": lp, "bytes": list(raw)}
+    def _lp(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+        def entry(i: int, tok: str, raw: bytes, lp: float) -> dict[str, Any]:
+            return {"token": self._name(i, tok), "logprob": lp, "bytes": list(raw)}
 
-        return {"content": [{**entry(t, b, lp), "top_logprobs": [entry(*alt) for alt in top]}
-                            for t, b, lp, top in lps], "refusal": None}
+        return {"content": [{**entry(i, t, b, lp), "top_logprobs": [entry(*alt) for alt in top]}
+                            for i, t, b, lp, top in lps], "refusal": None}
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
@@ -120,8 +125,9 @@ class ChatRender(_Base):
 class CompletionRender(_Base):
     ID_PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, model: str, logprobs: bool, index: int = 0, first: _Base | None = None) -> None:
-        super().__init__(model, logprobs, index, first)
+    def __init__(self, model: str, logprobs: bool, index: int = 0, first: _Base | None = None, *,
+                 token_ids: bool = False) -> None:
+        super().__init__(model, logprobs, index, first, token_ids=token_ids)
         self.offset = 0  # text_offset of the next token, across stream chunks
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # the text the tokens' bytes have made so far
 
@@ -129,14 +135,14 @@ class CompletionRender(_Base):
         """`text_offset`: where in the text each token's bytes begin; a token that continues a character split
         over tokens points at that character, whose text its last piece completes."""
         offsets, tops = [], []
-        for _, raw, _, top in lps:
+        for _, _, raw, _, top in lps:
             offsets.append(self.offset + self._pending_chars(raw))
             self.offset += len(self.utf8.decode(raw))
             alts: dict[str, float] = {}
-            for name, _, lp in top:  # (names rarely repeat; the likelier entry is kept)
-                alts.setdefault(name, lp)
+            for i, name, _, lp in top:  # (names rarely repeat; the likelier entry is kept)
+                alts.setdefault(self._name(i, name), lp)
             tops.append(alts)
-        return {"tokens": [t for t, _, _, _ in lps], "token_logprobs": [lp for _, _, lp, _ in lps],
+        return {"tokens": [self._name(i, t) for i, t, _, _, _ in lps], "token_logprobs": [lp for _, _, _, lp, _ in lps],
                 "top_logprobs": tops, "text_offset": offsets}
 
     def _pending_chars(self, raw: bytes) -> int:

@@ -80,7 +80,7 @@ class CommonRequest(Struct):
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     prompt_logprobs: Any = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
+    return_tokens_as_token_ids: bool | None = None  # (vLLM's) logprobs name tokens `token_id:N`
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The sampling fields the client set (`SamplingParams` keyword arguments), max_tokens excluded."""
@@ -154,7 +154,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_special_tokens": ((True,), "special tokens are never in the text"),
     "prompt_logprobs": ((), "no prompt logprobs"),
     "logits_processors": (([],), "no custom logits processors"),
-    "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text"),
     "chat_template": ((), "the model's own chat template only"),
     "chat_template_kwargs": (({},), "the model's own chat template only"),
     "documents": (([],), "the model's own chat template only"),

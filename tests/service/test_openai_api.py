@@ -338,6 +338,30 @@ def test_structured_output(main_server: Server, client: openai.OpenAI, model: st
         assert r.status_code == 200, r.text
 
 
+def test_return_tokens_as_token_ids(client: openai.OpenAI, model: str, tiny_model_dir) -> None:
+    """vLLM's `return_tokens_as_token_ids`: logprobs name each token `token_id:N`, N the token's id; the rest (bytes,
+    logprobs, offsets) as without it."""
+    from engine.detokenizer import TokenText
+    from engine.loader import load_tokenizer
+
+    names = TokenText(load_tokenizer(tiny_model_dir))
+    params = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=0.0, logprobs=3)
+    plain = client.completions.create(**params).choices[0].logprobs
+    ids = client.completions.create(**params, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert [names.name(int(t.removeprefix("token_id:"))) for t in ids.tokens] == plain.tokens
+    assert ids.token_logprobs == plain.token_logprobs and ids.text_offset == plain.text_offset
+    assert [sorted(v for v in top.values()) for top in ids.top_logprobs] == \
+        [sorted(v for v in top.values()) for top in plain.top_logprobs]
+    assert all(k.startswith("token_id:") for top in ids.top_logprobs for k in top)
+    chat = dict(model=model, messages=MESSAGES, max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**chat).choices[0].logprobs.content
+    ids = client.chat.completions.create(**chat, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    for a, b in zip(plain, ids.logprobs.content):
+        assert names.name(int(b.token.removeprefix("token_id:"))) == a.token and b.bytes == a.bytes
+        assert [names.name(int(t.token.removeprefix("token_id:"))) for t in b.top_logprobs] == \
+            [t.token for t in a.top_logprobs]
+
+
 def test_openai_errors(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
