@@ -270,6 +270,12 @@ class LLMEngine:
                                            "(stop_token_ids, EOS), so none could come before the minimum")
         if params.structured_output is not None:
             req.matcher = self._matcher(params)
+        if params.bad_words:
+            for ids in bad_words_ids(self.tokenizer, params.bad_words, vocab):
+                if len(ids) == 1:
+                    req.bad_tokens.append(ids[0])
+                else:
+                    req.bad_sequences.append(ids)
         if params.seed is not None:
             req.generator = self.runner.sampler.make_generator(params.seed)
         if resume is not None:
@@ -847,6 +853,18 @@ class LLMEngine:
             "spec_accepted_tokens": spec.num_accepted_tokens if spec else 0,
             "spec_declined_steps": spec.num_declined if spec else 0,
         }
+
+
+def bad_words_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]]:
+    """vLLM's `bad_words` as token id sequences: each word's tokens alone (a text's first word) and after a space (a
+    word inside a text), as vLLM tokenizes them; one with an id outside the vocabulary is dropped."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and max(ids) < vocab and ids not in out:
+                out.append(ids)
+    return out
 
 
 def _resume(req: Request, ckpt: Checkpoint) -> None:

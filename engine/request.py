@@ -55,10 +55,13 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None  # (OpenAI's) token id -> a bias in [-100, 100] added to its logit
     allowed_token_ids: list[int] | None = None  # (vLLM's) only these may be sampled
+    # (vLLM's) words never generated: the last token of each one's tokens (with and without a leading space) is not
+    # sampled where the output ends with the tokens before it
+    bad_words: list[str] | None = None
     # the text must be JSON (of a schema), match a regular expression or be one of some strings (engine/structured.py)
     structured_output: StructuredOutput | None = None
-    # any of penalties, logit_bias, allowed_token_ids, min_tokens or structured_output: the sampler adjusts this
-    # request's logits
+    # any of penalties, logit_bias, allowed_token_ids, min_tokens, structured_output or bad_words: the sampler adjusts
+    # this request's logits
     adjusts_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -97,10 +100,12 @@ class SamplingParams:
             self.top_k = 0
         if self.temperature < SAMPLING_EPS:  # (as vLLM) dividing by it would overflow the logits: greedy is its limit
             self.temperature = 0.0
+        need(self.bad_words is None or isinstance(self.bad_words, list) and all(
+            isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", "must be a list of words (non-empty strings)")
         need(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
              "structured_output", "must be an engine.structured.StructuredOutput")
         self.adjusts_logits = (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
-                               or self.min_tokens > 0 or self.structured_output is not None)
+                               or self.min_tokens > 0 or self.structured_output is not None or bool(self.bad_words))
 
     @property
     def greedy(self) -> bool:
@@ -158,6 +163,11 @@ class Request:
         self.ban = None  # the sampler's: (token ids, -inf) of min_tokens_banned on the device, made once
         self.allowed = None  # the sampler's: allowed_token_ids as a mask over the vocabulary on the device, made once
         self.matcher = None  # params.structured_output's grammar matcher (xgrammar), set by the engine
+        # params.bad_words as token ids, set by the engine: those of one token (never sampled; on the device once, the
+        # sampler's) and those of more (their last token not sampled after the others)
+        self.bad_tokens: list[int] = []
+        self.bad_device = None
+        self.bad_sequences: list[list[int]] = []
         # the tokens `params.min_tokens` keeps the sampler from drawing until that many are out (EOS, stop_token_ids),
         # set by the engine; None when there is no minimum (or nothing to keep out)
         self.min_tokens_banned: list[int] | None = None

@@ -58,8 +58,9 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
 
 
 def apply_biases(logits: torch.Tensor, reqs: list[Request]) -> None:
-    """In place: -inf outside a request's `allowed_token_ids`, its `logit_bias` added, and while `min_tokens` holds it
-    back, -inf on the tokens that would end it (EOS, stop_token_ids). One masked fill for the rows with allowed ids,
+    """In place: -inf outside a request's `allowed_token_ids`, its `logit_bias` added, while `min_tokens` holds it
+    back, -inf on the tokens that would end it (EOS, stop_token_ids), and -inf on the token that would complete one
+    of its `bad_words`. One masked fill for the rows with allowed ids,
     one scatter for the whole batch over the (row, token) pairs of the others; each request's go to the device once
     (`Request.allowed`, `Request.biases`, `Request.ban`), so a step's host work is a few ops per request that has any,
     whatever their size."""
@@ -86,6 +87,19 @@ def apply_biases(logits: torch.Tensor, reqs: list[Request]) -> None:
                 r.ban = (ids, torch.full(ids.shape, float("-inf"), device=dev))
             parts.append(r.ban)
             rows.append(i)
+        if r.bad_tokens:
+            if r.bad_device is None or r.bad_device[0].device != dev:
+                ids = torch.tensor(r.bad_tokens, device=dev)
+                r.bad_device = (ids, torch.full(ids.shape, float("-inf"), device=dev))
+            parts.append(r.bad_device)
+            rows.append(i)
+        if r.bad_sequences:  # its last token, where the output (not the placeholders of running steps) ends in the rest
+            end = r.num_tokens - r.num_placeholders
+            last = [s[-1] for s in r.bad_sequences
+                    if len(s) - 1 <= end - r.num_prompt_tokens and r.token_ids[end - len(s) + 1 : end] == s[:-1]]
+            if last:
+                parts.append((torch.tensor(last, device=dev), torch.full((len(last),), float("-inf"), device=dev)))
+                rows.append(i)
     if parts:  # (accumulated: a token both biased and banned is -inf)
         keys = torch.cat([ids for ids, _ in parts]) + torch.repeat_interleave(
             torch.tensor(rows, device=dev) * V, torch.tensor([len(ids) for ids, _ in parts], device=dev))

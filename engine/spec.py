@@ -119,7 +119,7 @@ class Speculation:
         p = req.params
         if p.has_penalties:  # NOTE: penalties count outputs, and a draft position's would include the drafts before it
             return []
-        if p.logit_bias or p.allowed_token_ids is not None or p.structured_output is not None:
+        if p.logit_bias or p.allowed_token_ids is not None or p.structured_output is not None or p.bad_words:
             return []  # (verification takes the rows' own argmax: unbiased, unmasked)
         if req.min_tokens_banned is not None and req.below_min_tokens():  # (so would min_tokens' ban)
             return []

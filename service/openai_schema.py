@@ -63,6 +63,7 @@ class CommonRequest(Struct):
     # token ids (as strings: JSON's keys) -> a bias added to the token's logit
     logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)] | None = None
     allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None  # (vLLM's)
+    bad_words: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=256)] | None = None
     # structured output (service/protocol.py `structured_output`): OpenAI's, and vLLM's extensions
     response_format: Any = None
     guided_json: Any = None
@@ -72,7 +73,6 @@ class CommonRequest(Struct):
     # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
     guided_grammar: Any = None
     structural_tag: Any = None
-    bad_words: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     skip_special_tokens: Any = None
@@ -93,6 +93,8 @@ class CommonRequest(Struct):
             kwargs["include_stop_str_in_output"] = True
         if self.allowed_token_ids is not None:
             kwargs["allowed_token_ids"] = self.allowed_token_ids
+        if self.bad_words:
+            kwargs["bad_words"] = self.bad_words
         if self.logit_bias:
             if not all(re.fullmatch(r"0|[1-9][0-9]{0,9}", k) for k in self.logit_bias):  # ("05" would be "5" twice)
                 raise HTTPError(400, "logit_bias: each key must be a token id (a decimal integer, no leading zeros)",
@@ -148,7 +150,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "audio": ((), "text output only"),
     "modalities": ((["text"],), "text output only"),
     "structural_tag": ((), "no structured output"),
-    "bad_words": (([],), "no banned words"),
     "use_beam_search": ((False,), "no beam search"),
     "length_penalty": ((1, 1.0), "no beam search"),
     "skip_special_tokens": ((True,), "special tokens are never in the text"),

@@ -104,7 +104,6 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
             r = http.post(route, json=body)
             assert r.status_code == 200, r.text
         for name, value in (("guided_grammar", "root ::= \"x\""),
-                            ("bad_words", ["o"]),
                             ("use_beam_search", True), ("prompt_logprobs", 1), ("chat_template", "{{ x }}")):
             r = http.post("/v1/chat/completions", json={**chat, name: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
@@ -360,6 +359,22 @@ def test_return_tokens_as_token_ids(client: openai.OpenAI, model: str, tiny_mode
         assert names.name(int(b.token.removeprefix("token_id:"))) == a.token and b.bytes == a.bytes
         assert [names.name(int(t.token.removeprefix("token_id:"))) for t in b.top_logprobs] == \
             [t.token for t in a.top_logprobs]
+
+
+def test_bad_words(client: openai.OpenAI, model: str, tiny_model_dir) -> None:
+    """vLLM's `bad_words`: the words of a greedy answer, banned, never come back as its tokens (alone or after a
+    space), so the answer is another from its first token on."""
+    from engine.engine import bad_words_ids
+    from engine.loader import load_tokenizer
+
+    greedy = dict(model=model, prompt="Once upon a time", max_tokens=40, temperature=0.0, logprobs=0)
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}  # (the answer's token ids, in its logprobs)
+    words = client.completions.create(**greedy, extra_body=extra).choices[0].text.split()[:3]
+    r = client.completions.create(**greedy, extra_body={**extra, "bad_words": words}).choices[0]
+    out = [int(t.removeprefix("token_id:")) for t in r.logprobs.tokens]
+    assert len(out) == 40 and not r.text.startswith(words[0])
+    for seq in bad_words_ids(load_tokenizer(tiny_model_dir), words, 1024):
+        assert not any(out[i : i + len(seq)] == seq for i in range(len(out))), (seq, r.text)
 
 
 def test_openai_errors(client: openai.OpenAI, model: str) -> None:
