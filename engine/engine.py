@@ -12,6 +12,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Mapping
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from engine.request import (PLACEHOLDER, Checkpoint, CompletionOutput, InvalidSa
                             Request, RequestOutput, SamplingParams, Status)
 from engine.sampler import SeededStream
 from engine.scheduler import Batch, Scheduler
-from engine.structured import Grammars
+from engine.structured import COMPILE_TIMEOUT_S, SYNC_COMPILE_S, Grammars
 from engine.step_cost import attention_work
 
 log = logging.getLogger("sluice.engine")
@@ -77,6 +78,7 @@ class LLMEngine:
             self.close()  # no rank outlives an engine that could not start
             raise
         self.requests: dict[str, Request] = {}
+        self._compiling: dict[str, Request] = {}  # structured output's, until their grammars compile
         self._aborted: list[RequestOutput] = []
         # async_scheduling: the step launched last, its tokens not committed yet (while the next one is scheduled)
         self._pipelined = self._schedules_ahead()
@@ -268,8 +270,7 @@ class LLMEngine:
                                     else set(params.allowed_token_ids) <= set(ban)):
                 raise InvalidSamplingParam("min_tokens", "min_tokens: every token that may be sampled ends the request "
                                            "(stop_token_ids, EOS), so none could come before the minimum")
-        if params.structured_output is not None:
-            req.matcher = self._matcher(params)
+        compiling = params.structured_output is not None and not self._grammar(req)
         if params.bad_words:
             for ids in bad_words_ids(self.tokenizer, params.bad_words, vocab):
                 if len(ids) == 1:
@@ -281,26 +282,72 @@ class LLMEngine:
         if resume is not None:
             _resume(req, resume)
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        if compiling:  # scheduled once its grammar is compiled (`_admit_compiled`)
+            self._compiling[request_id] = req
+        else:
+            self.scheduler.add(req)
 
-    def _matcher(self, params: SamplingParams) -> Any:
-        """A grammar matcher for `params.structured_output` (engine/structured.py); `InvalidSamplingParam` naming its
-        field if it cannot be compiled, or if another parameter leaves it no token to choose."""
-        so = params.structured_output
+    def _grammar(self, req: Request) -> bool:
+        """Starts compiling `req`'s structured output (engine/structured.py) and gives it its matcher if that takes
+        under SYNC_COMPILE_S; False if it is still compiling (`req.grammar`). `InvalidSamplingParam` naming its field
+        if it cannot be compiled (within that wait), or if another parameter could leave it no token to draw."""
+        so, params = req.params.structured_output, req.params
         assert so is not None
         for name, clash in (("min_tokens", params.min_tokens > 0), ("allowed_token_ids", params.allowed_token_ids)):
             if clash:  # (both keep tokens out: the grammar's next one, its end say, could be among them)
                 raise InvalidSamplingParam(so.param, f"{so.param}: structured output cannot be combined with {name}")
         if self.runner.sampler.grammars is None:
             self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        req.grammar, req.grammar_since = self.runner.sampler.grammars.compile(so), time.monotonic()
         try:
-            return self.runner.sampler.grammars.matcher(so)
+            req.matcher = self.runner.sampler.grammars.matcher(req.grammar.result(timeout=SYNC_COMPILE_S))
+        except TimeoutError:
+            return False
         except ValueError as e:
             raise InvalidSamplingParam(so.param, f"{so.param}: {e}") from None
+        req.grammar = None
+        return True
+
+    def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
+        """Schedules the requests whose grammars are now compiled (their matchers where their checkpoint left them);
+        one that cannot be compiled, or is still compiling after COMPILE_TIMEOUT_S, is refused (an output whose
+        `error_param` names its field). With nothing else to run, waits a little for a compile (not a busy loop)."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_unfinished():
+            futures.wait([r.grammar for r in self._compiling.values()], timeout=0.01,
+                         return_when=futures.FIRST_COMPLETED)
+        now = time.monotonic()
+        for rid, req in list(self._compiling.items()):
+            so = req.params.structured_output
+            if not req.grammar.done() and now - req.grammar_since < COMPILE_TIMEOUT_S:
+                continue
+            del self._compiling[rid]
+            try:
+                if not req.grammar.done():
+                    raise ValueError(f"still compiling after {COMPILE_TIMEOUT_S:g} s: too complex to follow")
+                req.matcher = self.runner.sampler.grammars.matcher(req.grammar.result())
+                for token in req.output_token_ids:  # (resumed: where its checkpoint left it)
+                    if not req.matcher.accept_token(token):
+                        raise ValueError(f"a checkpoint's token {token} is not one it allows")
+            except Exception as e:
+                log.info("request %s refused: %s: %s", rid, so.param, e)
+                self.requests.pop(rid, None)
+                req.status = Status.FINISHED
+                out = self._output(req, [], "", "abort")
+                out.error, out.error_param = f"{so.param}: {e}", so.param
+                outputs.append(out)
+                continue
+            req.grammar = None
+            self.scheduler.add(req)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is None:
+            return
+        if self._compiling.pop(request_id, None) is not None:  # (never scheduled)
+            req.status = Status.FINISHED
+            self._aborted.append(self._output(req, [], "", "abort"))
             return
         self.scheduler.finish(req, "abort")
         made = self._emit_pending()  # what it made before, first (async_output_proc)
@@ -310,12 +357,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pending)
-                or self._inflight is not None)
+                or self._inflight is not None or bool(self._compiling))
 
     # -- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        self._admit_compiled(outputs)
         try:
             return self._step_ahead(outputs) if self._pipelined else self._step(outputs)
         except StepError:
@@ -827,7 +875,7 @@ class LLMEngine:
         bm, spec = self.block_manager, self.scheduler.spec
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self._compiling),
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
             "kv_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,

@@ -163,6 +163,8 @@ class Request:
         self.ban = None  # the sampler's: (token ids, -inf) of min_tokens_banned on the device, made once
         self.allowed = None  # the sampler's: allowed_token_ids as a mask over the vocabulary on the device, made once
         self.matcher = None  # params.structured_output's grammar matcher (xgrammar), set by the engine
+        self.grammar = None  # its compiled grammar to come (a Future), while it compiles; when that began
+        self.grammar_since = 0.0
         # params.bad_words as token ids, set by the engine: those of one token (never sampled; on the device once, the
         # sampler's) and those of more (their last token not sampled after the others)
         self.bad_tokens: list[int] = []
@@ -248,6 +250,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     rng_state: Any = None  # with a new token of a seeded request: its generator's state after it (for `Checkpoint`)
     error: str | None = None  # finished ("abort") because the engine failed it, outside the model: why
+    error_param: str | None = None  # with `error`: the request's field at fault (refused, not failed)
 
 
 @dataclass

@@ -2,21 +2,32 @@
 of strings (OpenAI's `response_format`, vLLM's `guided_*`), with xgrammar's grammar matchers, as vLLM does.
 
 Each such request has a `GrammarMatcher` (`Request.matcher`): before its token is drawn, the sampler masks every
-token the grammar does not allow next (`apply_grammars`, one bitmask for the batch); the engine feeds each committed
+token the grammar does not allow next (`Grammars.apply`, one bitmask for the batch); the engine feeds each committed
 token to it (`LLMEngine._append_tokens`), and the request ends ("stop") once the grammar is complete and has taken
-its end (EOS). Grammars are compiled once per engine and spec (xgrammar's cache), on the engine thread; xgrammar is
-imported the first time a request asks for one.
+its end (EOS). Grammars compile on a thread of their own (xgrammar lets go of the GIL meanwhile): a schema can take
+seconds or minutes, and the engine thread goes on stepping the other requests; one that compiles within
+`SYNC_COMPILE_S` is admitted at once (its errors raised by `add_request`), a slower one when it is ready, and one
+still compiling after `COMPILE_TIMEOUT_S` fails. Compiled grammars are kept per spec (the last `CACHE_SIZE`).
+xgrammar is imported the first time a request asks for structured output.
 """
 from __future__ import annotations
 
 import json
 import logging
+import queue
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 log = logging.getLogger("sluice.engine")
+
+SYNC_COMPILE_S = 0.05  # what `add_request` waits for a compile before it lets the request wait for it instead
+COMPILE_TIMEOUT_S = 30.0  # a request whose grammar is still compiling then fails (the compile runs on, unused)
+CACHE_SIZE = 64
 
 Kind = Literal["json", "json_object", "regex", "choice"]
 KINDS = ("json", "json_object", "regex", "choice")
@@ -58,26 +69,54 @@ class Grammars:
         self.banned = sorted(i for i in getattr(tokenizer, "all_special_ids", []) if i not in eos_token_ids
                              and 0 <= i < vocab_size)
         self._bitmask: torch.Tensor | None = None
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # by (kind, spec), compiling or done
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # a daemon: a compile that never ends must not hold the process at exit
+        threading.Thread(target=self._compile_loop, name="sluice-grammar", daemon=True).start()
 
-    def matcher(self, so: StructuredOutput) -> Any:
-        """A new matcher for `so`; raises ValueError if its schema, expression or choices cannot be compiled."""
+    def compile(self, so: StructuredOutput) -> Future:
+        """The compiled grammar of `so`, to come (on the compile thread) or kept from an earlier request; the future
+        raises ValueError if its schema, expression or choices cannot be compiled."""
+        key = (so.kind, so.spec)
+        if (done := self._compiled.get(key)) is not None and not (done.done() and done.exception() is not None):
+            self._compiled.move_to_end(key)
+            return done
+        future: Future = Future()
+        self._compiled[key] = future
+        while len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        self._jobs.put((so, future))
+        return future
+
+    def matcher(self, compiled: Any) -> Any:
+        return self.xgr.GrammarMatcher(compiled)
+
+    def _compile_loop(self) -> None:
+        while True:
+            so, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._compile(so))
+            except Exception as e:
+                future.set_exception(e)
+
+    def _compile(self, so: StructuredOutput) -> Any:
         try:
             # NOTE: JSON without whitespace between its tokens, as OpenAI's structured outputs write it: a model can
             # loop on whitespace forever where a grammar allows any (vLLM's `disable_any_whitespace`)
             if so.kind == "json":
-                compiled = self.compiler.compile_json_schema(so.spec, any_whitespace=False)
-            elif so.kind == "json_object":
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            elif so.kind == "regex":
-                compiled = self.compiler.compile_regex(so.spec)
-            else:
-                options = json.loads(so.spec)
-                compiled = self.compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+                return self.compiler.compile_json_schema(so.spec, any_whitespace=False)
+            if so.kind == "json_object":
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if so.kind == "regex":
+                return self.compiler.compile_regex(so.spec)
+            options = json.loads(so.spec)
+            return self.compiler.compile_grammar(
+                "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with the reason
-            raise ValueError(f"cannot compile it: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") \
-                from None
-        return self.xgr.GrammarMatcher(compiled)
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            raise ValueError(f"cannot compile it: {reason}") from None
 
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
         """In place: -inf on every token of row `rows[i]` that `matchers[i]` does not allow next."""

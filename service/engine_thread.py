@@ -204,6 +204,9 @@ class EngineWorker:
         outputs = self._step(engine, failures, step_start) if engine.has_unfinished() else []
         deliveries = []
         for o in outputs:
+            if o.error is not None and o.error_param is not None:  # refused after admission (its grammar)
+                failures.append(Failure(o.request_id, "invalid_message", o.error, o.error_param))
+                continue
             if o.error is not None:  # the engine failed it alone
                 failures.append(Failure(o.request_id, "internal", "the engine failed on this request"))
                 continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -91,3 +92,60 @@ def test_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="kind"):
         StructuredOutput("yaml")
     assert not eng.requests
+
+
+def _held_compiles(eng: LLMEngine, monkeypatch) -> tuple[threading.Event, list]:
+    """The engine's grammar compiles wait for the returned event (a compile that takes as long as the test says);
+    the list records what they compiled."""
+    from engine.structured import Grammars
+
+    release, seen = threading.Event(), []
+    compile_ = Grammars._compile
+
+    def held(self, so):
+        seen.append(so)
+        assert release.wait(600)
+        return compile_(self, so)
+
+    monkeypatch.setattr(Grammars, "_compile", held)
+    return release, seen
+
+
+def test_a_slow_compile_holds_back_only_its_request(tiny_model_dir, monkeypatch):
+    """A grammar compiles on a thread of its own: the engine steps the other requests meanwhile, schedules the
+    request once it is compiled, and refuses (naming the field) one that cannot be compiled."""
+    eng = _engine(tiny_model_dir)
+    release, seen = _held_compiles(eng, monkeypatch)
+    eng.add_request("free", PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    eng.add_request("held", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.0,
+                                                       structured_output=StructuredOutput.choice(CHOICES)))
+    eng.add_request("bad", PROMPTS[2], SamplingParams(structured_output=StructuredOutput("regex", "[a-", "guided_regex")))
+    eng.add_request("gone", PROMPTS[3], SamplingParams(structured_output=StructuredOutput("json_object")))
+    eng.abort("gone")  # while it compiles
+    got: dict[str, list] = {}
+    while "free" not in got or not got["free"][-1].finished:  # the free request runs to its end meanwhile
+        for o in eng.step():
+            got.setdefault(o.request_id, []).append(o)
+    assert "held" not in got and "bad" not in got and got["gone"][-1].finish_reason == "abort"
+    assert eng.stats()["num_waiting"] == 2 and eng.has_unfinished()
+    release.set()
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).append(o)
+    assert "".join(o.text_delta for o in got["held"]) in CHOICES and got["held"][-1].finish_reason == "stop"
+    bad = got["bad"][-1]
+    assert bad.finished and bad.error_param == "guided_regex" and "cannot compile" in bad.error
+    assert len(seen) == 3 and not eng.requests
+    eng.check_integrity()
+
+
+def test_a_compile_past_its_time_is_refused(tiny_model_dir, monkeypatch):
+    import engine.engine
+
+    eng = _engine(tiny_model_dir)
+    release, _ = _held_compiles(eng, monkeypatch)
+    monkeypatch.setattr(engine.engine, "COMPILE_TIMEOUT_S", 0.0)
+    eng.add_request("slow", PROMPTS[0], SamplingParams(structured_output=StructuredOutput("json_object")))
+    (out,) = eng.step()
+    assert out.error_param == "response_format" and "still compiling" in out.error and not eng.has_unfinished()
+    release.set()

@@ -101,6 +101,25 @@ async def test_choices_share_one_tokenization(bridge: EngineBridge) -> None:
     assert (e.value.code, e.value.param) == ("invalid_message", "n")  # 18 choices; the queue holds 16
 
 
+async def test_a_grammar_refused_after_admission_is_the_clients_error(bridge: EngineBridge, monkeypatch) -> None:
+    """A structured output that the engine gives up compiling after admitting it (engine/structured.py) comes back
+    as invalid_message naming its field, as one refused at once does, not as the engine's failure."""
+    import engine.engine
+    from engine import StructuredOutput
+    from engine.structured import Grammars
+
+    release = threading.Event()
+    monkeypatch.setattr(Grammars, "_compile", lambda self, so: release.wait(600))
+    monkeypatch.setattr(engine.engine, "COMPILE_TIMEOUT_S", 0.0)
+    try:
+        handle = await _finish(bridge, GenerateRequest(prompt="x", chat=False, params=SamplingParams(
+            structured_output=StructuredOutput("regex", "a+", "guided_regex"))))
+    finally:
+        release.set()
+    assert handle.error is not None and (handle.error.code, handle.error.param) == ("invalid_message", "guided_regex")
+    assert "still compiling" in handle.error.message
+
+
 async def test_checks_that_need_the_token_count(bridge: EngineBridge) -> None:
     def req(prompt, max_tokens=None, fit=True):
         return GenerateRequest(prompt=prompt, chat=False, params=SamplingParams(max_tokens=max_tokens), fit_max_tokens=fit)
