@@ -300,9 +300,13 @@ class LLMEngine:
             self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         req.grammar, req.grammar_since = self.runner.sampler.grammars.compile(so), time.monotonic()
         try:
-            req.matcher = self.runner.sampler.grammars.matcher(req.grammar.result(timeout=SYNC_COMPILE_S))
+            compiled = req.grammar.result(timeout=SYNC_COMPILE_S)
         except TimeoutError:
             return False
+        except ValueError as e:
+            raise InvalidSamplingParam(so.param, f"{so.param}: {e}") from None
+        try:
+            req.matcher = self.runner.sampler.grammars.matcher(compiled)
         except ValueError as e:
             raise InvalidSamplingParam(so.param, f"{so.param}: {e}") from None
         req.grammar = None

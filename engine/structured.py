@@ -28,6 +28,7 @@ log = logging.getLogger("sluice.engine")
 SYNC_COMPILE_S = 0.05  # what `add_request` waits for a compile before it lets the request wait for it instead
 COMPILE_TIMEOUT_S = 30.0  # a request whose grammar is still compiling then fails (the compile runs on, unused)
 CACHE_SIZE = 64
+CACHE_BYTES = 256 << 20  # xgrammar's own cache of compiled grammars
 
 Kind = Literal["json", "json_object", "regex", "choice"]
 KINDS = ("json", "json_object", "regex", "choice")
@@ -62,12 +63,14 @@ class Grammars:
         self.xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(eos_token_ids))
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        # (its cache of compiled grammars is bounded: every distinct schema a client sends would stay in it)
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
         # NOTE: xgrammar takes added special tokens (<|im_start|>) for text: one could land inside a JSON string,
         # where the text (which never shows special tokens) would lose it. Only the grammar's end (EOS) may come.
-        self.banned = sorted(i for i in getattr(tokenizer, "all_special_ids", []) if i not in eos_token_ids
-                             and 0 <= i < vocab_size)
+        special = set(getattr(tokenizer, "all_special_ids", [])) | {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+        self.banned = sorted(i for i in special if i not in eos_token_ids and 0 <= i < vocab_size)
         self._bitmask: torch.Tensor | None = None
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # by (kind, spec), compiling or done
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -89,7 +92,16 @@ class Grammars:
         return future
 
     def matcher(self, compiled: Any) -> Any:
-        return self.xgr.GrammarMatcher(compiled)
+        """A matcher at the grammar's start; ValueError if the grammar allows no token there (it matches nothing:
+        the sampler would have nothing to draw)."""
+        m = self.xgr.GrammarMatcher(compiled)
+        first = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        m.fill_next_token_bitmask(first, 0)
+        for i in self.banned:  # (int32 words: the top bit is the sign's)
+            first[0, i // 32] &= 0x7FFFFFFF if i % 32 == 31 else ~(1 << (i % 32))
+        if not bool(first.any()):
+            raise ValueError("it matches no text: no token may begin it")
+        return m
 
     def _compile_loop(self) -> None:
         while True:

@@ -81,9 +81,11 @@ def structured_output(**given: Any) -> StructuredOutput | None:
         return StructuredOutput("json_object", param=name)
     if kind == "json":
         if isinstance(value, str):
+            if (too_deep := json_guard.depth_error(value)) is not None:
+                raise InvalidSamplingParam(name, f"{name}: {too_deep}")
             try:
                 value = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise InvalidSamplingParam(name, f"{name}: a JSON schema, as an object or its JSON text") from None
         if not isinstance(value, (dict, bool)):
             raise InvalidSamplingParam(name, f"{name}: a JSON schema, as an object or its JSON text")

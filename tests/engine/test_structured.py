@@ -89,8 +89,14 @@ def test_refused(tiny_model_dir):
         with pytest.raises(InvalidSamplingParam, match="cannot be combined") as e:
             eng.add_request("bad", [5, 6, 7], SamplingParams(structured_output=StructuredOutput("json_object"), **clash))
         assert e.value.param == "response_format"
+    with pytest.raises(InvalidSamplingParam, match="matches no text") as e:  # (nothing to draw: refused)
+        eng.add_request("none", [5, 6, 7], SamplingParams(structured_output=StructuredOutput("regex", r"[^\s\S]")))
     with pytest.raises(ValueError, match="kind"):
         StructuredOutput("yaml")
+    # every special token but EOS is kept out (the text never shows them): <|im_start|> too, which the tokenizer's
+    # all_special_ids leaves out
+    banned = eng.runner.sampler.grammars.banned
+    assert eng.tokenizer.convert_tokens_to_ids("<|im_start|>") in banned and not set(banned) & eng.eos_token_ids
     assert not eng.requests
 
 

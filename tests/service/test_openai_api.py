@@ -326,6 +326,7 @@ def test_structured_output(main_server: Server, client: openai.OpenAI, model: st
                              ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
                               "response_format"),
                              ({"guided_json": "{nope"}, "guided_json"),
+                             ({"guided_json": '{"items":' * 1500 + "{}" + "}" * 1500}, "guided_json"),  # too deep
                              ({"guided_regex": "[a-"}, "guided_regex"),  # (the engine's compiler refuses it)
                              ({"guided_choice": []}, "guided_choice"),
                              ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex"),  # two at once
