@@ -281,6 +281,8 @@ class LLMEngine:
             req.generator = self.runner.sampler.make_generator(params.seed)
         if resume is not None:
             _resume(req, resume)
+            if req.matcher is not None:
+                _replay_grammar(req)
         self.requests[request_id] = req
         if compiling:  # scheduled once its grammar is compiled (`_admit_compiled`)
             self._compiling[request_id] = req
@@ -300,13 +302,9 @@ class LLMEngine:
             self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         req.grammar, req.grammar_since = self.runner.sampler.grammars.compile(so), time.monotonic()
         try:
-            compiled = req.grammar.result(timeout=SYNC_COMPILE_S)
+            req.matcher = self.runner.sampler.grammars.matcher(req.grammar.result(timeout=SYNC_COMPILE_S))
         except TimeoutError:
             return False
-        except ValueError as e:
-            raise InvalidSamplingParam(so.param, f"{so.param}: {e}") from None
-        try:
-            req.matcher = self.runner.sampler.grammars.matcher(compiled)
         except ValueError as e:
             raise InvalidSamplingParam(so.param, f"{so.param}: {e}") from None
         req.grammar = None
@@ -331,9 +329,7 @@ class LLMEngine:
                 if not req.grammar.done():
                     raise ValueError(f"still compiling after {COMPILE_TIMEOUT_S:g} s: too complex to follow")
                 req.matcher = self.runner.sampler.grammars.matcher(req.grammar.result())
-                for token in req.output_token_ids:  # (resumed: where its checkpoint left it)
-                    if not req.matcher.accept_token(token):
-                        raise ValueError(f"a checkpoint's token {token} is not one it allows")
+                _replay_grammar(req)
             except Exception as e:
                 log.info("request %s refused: %s: %s", rid, so.param, e)
                 self.requests.pop(rid, None)
@@ -928,8 +924,6 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
         stops = not req.below_min_tokens()  # (as `_append_tokens` decides it)
         req.token_ids.append(token)
         req.detok.add_token(token, stops)
-        if req.matcher is not None and not req.matcher.accept_token(token):
-            raise ValueError(f"a checkpoint's token {token} is not one its structured output allows")
     if ckpt.num_text_chars > req.detok.num_chars:
         raise ValueError(f"a checkpoint claims {ckpt.num_text_chars} characters of text; its tokens make "
                          f"{req.detok.num_chars}")
@@ -937,6 +931,14 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
     if ckpt.rng_state is not None and req.generator is not None:
         req.generator.set_state(ckpt.rng_state)
     req.announced = bool(out)  # its caller saw it start (else the new engine announces it, as a new request)
+
+
+def _replay_grammar(req: Request) -> None:
+    """Puts a resumed request's grammar matcher where its checkpoint's tokens left it (its compile may finish after
+    `_resume`)."""
+    for token in req.output_token_ids:
+        if not req.matcher.accept_token(token):
+            raise ValueError(f"a checkpoint's token {token} is not one its structured output allows")
 
 
 def _copy(runner: ModelRunner, offloads: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:

@@ -310,8 +310,8 @@ class Sampler:
         len(r.draft) of them, the last the usual next-token row and each one before it the row that predicts a draft
         token. Returns each request's new tokens (the draft tokens kept, then one drawn at the first rejection or
         after the last draft token) and their logprobs if it asked for them. A request without a draft samples as
-        `__call__` does. Requests with a draft have no penalties, no logit bias, no allowed_token_ids and no tokens
-        banned by min_tokens (engine/spec.py never drafts for them)."""
+        `__call__` does. Requests with a draft have no penalties, no logit bias, no allowed_token_ids, no bad_words, no
+        structured output and no tokens banned by min_tokens (engine/spec.py never drafts for them)."""
         logits = logits.float()
         width = [1 + len(r.draft) for r in reqs]
         start = [0]

@@ -71,6 +71,9 @@ class Grammars:
         special = set(getattr(tokenizer, "all_special_ids", [])) | {
             i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
         self.banned = sorted(i for i in special if i not in eos_token_ids and 0 <= i < vocab_size)
+        self._keep = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)  # a bitmask's words, AND'ed
+        for i in self.banned:  # (int32 words: the top bit is the sign's)
+            self._keep[i // 32] &= 0x7FFFFFFF if i % 32 == 31 else ~(1 << (i % 32))
         self._bitmask: torch.Tensor | None = None
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # by (kind, spec), compiling or done
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -97,9 +100,7 @@ class Grammars:
         m = self.xgr.GrammarMatcher(compiled)
         first = self.xgr.allocate_token_bitmask(1, self.vocab_size)
         m.fill_next_token_bitmask(first, 0)
-        for i in self.banned:  # (int32 words: the top bit is the sign's)
-            first[0, i // 32] &= 0x7FFFFFFF if i % 32 == 31 else ~(1 << (i % 32))
-        if not bool(first.any()):
+        if not bool((first & self._keep).any()):
             raise ValueError("it matches no text: no token may begin it")
         return m
 
@@ -138,8 +139,6 @@ class Grammars:
         bitmask = self._bitmask[:n]  # (row i of the logits is row i of the bitmask: `indices` picks both)
         for i, m in zip(rows, matchers):
             m.fill_next_token_bitmask(bitmask, i)
+        bitmask &= self._keep  # (the special tokens: out of every row)
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                              vocab_size=self.vocab_size, indices=rows)
-        if self.banned:
-            at = torch.tensor(rows, device=logits.device)
-            logits[at[:, None], torch.tensor(self.banned, device=logits.device)[None, :]] = float("-inf")

@@ -97,6 +97,10 @@ def test_refused(tiny_model_dir):
     # all_special_ids leaves out
     banned = eng.runner.sampler.grammars.banned
     assert eng.tokenizer.convert_tokens_to_ids("<|im_start|>") in banned and not set(banned) & eng.eos_token_ids
+    start = eng.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    (out,) = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=40, temperature=0.0, logit_bias={start: 100.0},
+                                                       structured_output=StructuredOutput.choice(["<|im_start|>", "ok"])))
+    assert start not in out.token_ids and out.text == "ok"  # (its bias would have made it win every step)
     assert not eng.requests
 
 
