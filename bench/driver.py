@@ -23,6 +23,7 @@ class Req:
     prompt: list[int]
     max_tokens: int
     at: float = 0.0  # arrival, seconds after the run starts
+    params: SamplingParams | None = None  # default: `sampling(max_tokens)`, greedy to the end
 
 
 def poisson(tag: str, n: int, rate: float | None, rng, prompt: Callable[[int], list[int]], max_tokens: int) -> list[Req]:
@@ -114,7 +115,7 @@ def drive(eng: LLMEngine, reqs: list[Req], desc: str, progress: bool = True,
         while i < len(pending) and t0 + pending[i].at <= now:
             r = pending[i]
             tr.arrive(r, t0 + r.at)
-            eng.add_request(r.rid, r.prompt, sampling(r.max_tokens))
+            eng.add_request(r.rid, r.prompt, r.params or sampling(r.max_tokens))
             i += 1
         if not eng.has_unfinished():
             time.sleep(max(0.0, t0 + pending[i].at - time.perf_counter()))
@@ -132,7 +133,7 @@ def drive(eng: LLMEngine, reqs: list[Req], desc: str, progress: bool = True,
         if on_step is not None:
             for r in on_step(tr, t):
                 tr.arrive(r, t)
-                eng.add_request(r.rid, r.prompt, sampling(r.max_tokens))
+                eng.add_request(r.rid, r.prompt, r.params or sampling(r.max_tokens))
                 bar.total += r.max_tokens
     tr.end = time.perf_counter()
     bar.close()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import kernels
-from engine import loader
+from engine import loader, structured
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_dir, kernel_cache_dir, sluice_home
 from engine.cuda_graphs import graph_sizes
@@ -282,7 +282,7 @@ class LLMEngine:
         if resume is not None:
             _resume(req, resume)
             if req.matcher is not None:
-                _replay_grammar(req)
+                _replay_grammar(req, self.runner.sampler.grammars)
         self.requests[request_id] = req
         if compiling:  # scheduled once its grammar is compiled (`_admit_compiled`)
             self._compiling[request_id] = req
@@ -302,7 +302,7 @@ class LLMEngine:
             self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         req.grammar, req.grammar_since = self.runner.sampler.grammars.compile(so), time.monotonic()
         try:
-            req.matcher = self.runner.sampler.grammars.matcher(req.grammar.result(timeout=SYNC_COMPILE_S))
+            self.runner.sampler.grammars.start(req, req.grammar.result(timeout=SYNC_COMPILE_S))
         except TimeoutError:
             return False
         except ValueError as e:
@@ -328,8 +328,8 @@ class LLMEngine:
             try:
                 if not req.grammar.done():
                     raise ValueError(f"still compiling after {COMPILE_TIMEOUT_S:g} s: too complex to follow")
-                req.matcher = self.runner.sampler.grammars.matcher(req.grammar.result())
-                _replay_grammar(req)
+                self.runner.sampler.grammars.start(req, req.grammar.result())
+                _replay_grammar(req, self.runner.sampler.grammars)
             except Exception as e:
                 log.info("request %s refused: %s: %s", rid, so.param, e)
                 self.requests.pop(rid, None)
@@ -340,6 +340,12 @@ class LLMEngine:
                 continue
             req.grammar = None
             self.scheduler.add(req)
+
+    def _wait_for_masks(self) -> None:
+        """Nothing ran this step: if a request waits for its grammar's next mask (engine/structured.py), waits a
+        little for it (not a busy loop)."""
+        if masks := [r.mask for r in self.scheduler.running if r.mask is not None and not r.mask.done()]:
+            futures.wait(masks, timeout=0.01, return_when=futures.FIRST_COMPLETED)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -379,6 +385,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(graphs=self.runner.graphs)
         copy_s = self._copy_blocks()  # the host tier's copies this batch's allocations decided, before its forward
         if not batch:
+            self._wait_for_masks()
             return outputs + self._emit_pending()
         samples = batch.samples()
         spec = self.scheduler.spec
@@ -477,6 +484,7 @@ class LLMEngine:
                 self.scheduler.unadmit(batch)
                 return outputs
         if not batch:
+            self._wait_for_masks()
             return outputs
         f = _InFlight(batch, samples, launched=[i for i, s in enumerate(samples) if s])
         if self.config.itl_slo_ms is not None or spec is not None:  # before the step counts its tokens
@@ -681,6 +689,10 @@ class LLMEngine:
         back. Its output, one for them all, is `_emit`'s (at once, or with `async_output_proc` while the next step
         runs): only a request with stop strings needs its text here, where it decides the finish."""
         p, e = req.params, _Emit(req)
+        if req.matcher is not None and req.mask_s >= structured.MASK_LIMIT_S:  # (it fails: `_commit`)
+            so = p.structured_output
+            raise InvalidSamplingParam(so.param, f"{so.param}: too costly to follow: the choice of a token took "
+                                       f"{req.mask_s:.1f} s (at most {structured.MASK_LIMIT_S:g} s); simplify it")
         for i, token in enumerate(tokens):
             stops = not p.min_tokens or not req.below_min_tokens()  # (one of the first min_tokens never ends it)
             req.token_ids.append(token)
@@ -712,6 +724,8 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
                 self.scheduler.finish(req, reason)
                 break
+        if req.matcher is not None and e.reason is None:
+            self.runner.sampler.grammars.fill_later(req)
         if req.generator is not None:
             e.rng_state = req.generator.get_state()
         if req.draft:
@@ -763,6 +777,8 @@ class LLMEngine:
             self.scheduler.finish(req, "abort")
         out = self._output(req, [], "", "abort")
         out.error = f"{type(error).__name__}: {error}"
+        if isinstance(error, InvalidSamplingParam):  # the request's own: refused, not failed (its field named)
+            out.error, out.error_param = str(error), error.param
         return out
 
     def _output(self, req: Request, new: list[int], text: str, reason: str | None, logprobs=None) -> RequestOutput:
@@ -933,12 +949,14 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
     req.announced = bool(out)  # its caller saw it start (else the new engine announces it, as a new request)
 
 
-def _replay_grammar(req: Request) -> None:
+def _replay_grammar(req: Request, grammars: Grammars) -> None:
     """Puts a resumed request's grammar matcher where its checkpoint's tokens left it (its compile may finish after
     `_resume`)."""
     for token in req.output_token_ids:
         if not req.matcher.accept_token(token):
             raise ValueError(f"a checkpoint's token {token} is not one its structured output allows")
+    if req.output_token_ids:
+        grammars.fill_later(req)  # (its first mask is the grammar start's)
 
 
 def _copy(runner: ModelRunner, offloads: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:

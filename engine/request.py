@@ -165,6 +165,9 @@ class Request:
         self.matcher = None  # params.structured_output's grammar matcher (xgrammar), set by the engine
         self.grammar = None  # its compiled grammar to come (a Future), while it compiles; when that began
         self.grammar_since = 0.0
+        self.mask = None  # its next token's grammar mask, made ahead (a Future), until that token is committed
+        self.mask_s = 0.0  # the seconds its last mask took
+        self.mask_slow = False  # one took SLOW_MASK_S or more: the next are made off the step (engine/structured.py)
         # params.bad_words as token ids, set by the engine: those of one token (never sampled; on the device once, the
         # sampler's) and those of more (their last token not sampled after the others)
         self.bad_tokens: list[int] = []
@@ -183,6 +186,16 @@ class Request:
         self.spec_cooldown = 0  # steps left before proposing again
         self.num_draft_computed = 0  # tokens with the draft model's KV (draft:DIR), written by the block manager and engine
         self.spec_tokens = None  # prompt lookup's copy of token_ids as an array (engine/spec.py `_Tokens`)
+
+    @property
+    def waits_for_mask(self) -> bool:
+        """Its grammar is slow to follow and its next mask is being made off the step (engine/structured.py), or is
+        to be once its token in the running step (async scheduling) is committed: not scheduled meanwhile."""
+        if self.matcher is None:
+            return False
+        if self.num_placeholders:  # (its mask, if any, is the running step's)
+            return self.mask_slow
+        return self.mask is not None and not self.mask.done()
 
     @property
     def num_tokens(self) -> int:

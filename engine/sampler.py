@@ -288,7 +288,7 @@ class Sampler:
             apply_biases(logits, reqs)
             if rows := [i for i, r in enumerate(reqs) if r.matcher is not None]:
                 assert self.grammars is not None
-                self.grammars.apply(logits, rows, [reqs[i].matcher for i in rows])
+                self.grammars.apply(logits, rows, [reqs[i] for i in rows])
         greedy_tokens = logits.argmax(-1)
         tokens = greedy_tokens.clone()
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]

@@ -161,6 +161,8 @@ class Scheduler:
                 continue  # preempted meanwhile, or mid-prompt
             if req.num_placeholders and req.reached_length(self.max_model_len):
                 continue  # its token in the running step (async scheduling) ends it: nothing more to compute
+            if req.matcher is not None and req.waits_for_mask:
+                continue  # its grammar's next mask is being made off the step (engine/structured.py)
             req.draft = []  # _schedule_drafts may give it one
             if self._allocate_or_preempt(req, 1, batch):
                 batch.add(req, 1)
@@ -236,6 +238,8 @@ class Scheduler:
                 break
             if req.num_placeholders:
                 break  # preempted while its token was being sampled (async scheduling): back once it is known
+            if req.matcher is not None and req.waits_for_mask:
+                continue  # preempted while its grammar's next mask is being made: back once it is ready
             cached = self.bm.match_prefix(req)
             if computing and len(cached) < min(len(req.block_hashes), (req.num_tokens - 1) // bs) \
                     and req.block_hashes[len(cached)] in computing:

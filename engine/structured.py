@@ -1,4 +1,4 @@
-"""Structured output: a request's tokens held to a JSON schema, any JSON object, a regular expression or a choice
+r"""Structured output: a request's tokens held to a JSON schema, any JSON object, a regular expression or a choice
 of strings (OpenAI's `response_format`, vLLM's `guided_*`), with xgrammar's grammar matchers, as vLLM does.
 
 Each such request has a `GrammarMatcher` (`Request.matcher`): before its token is drawn, the sampler masks every
@@ -9,19 +9,32 @@ seconds or minutes, and the engine thread goes on stepping the other requests; o
 `SYNC_COMPILE_S` is admitted at once (its errors raised by `add_request`), a slower one when it is ready, and one
 still compiling after `COMPILE_TIMEOUT_S` fails. Compiled grammars are kept per spec (the last `CACHE_SIZE`).
 xgrammar is imported the first time a request asks for structured output.
+
+A mask is usually tens of microseconds, but an ambiguous expression can take a second a token (`(\w+\s?){1,50}`
+takes 0.1-0.2 s at a vocabulary of 8,192; `((a{1,100}){1,100}){1,100}` over a second by its 110th token), and a mask
+made in the step stalls every request in it. So each mask's CPU time is measured: once one took `SLOW_MASK_S` or
+more, the request's next masks are made on a thread of their own, each as soon as its token is committed
+(`fill_later`), and the scheduler leaves it out until its mask is ready (`Request.waits_for_mask`): it slows only
+itself. A request whose mask took `MASK_LIMIT_S` fails, its field named.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
+import sys
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 log = logging.getLogger("sluice.engine")
 
@@ -29,6 +42,9 @@ SYNC_COMPILE_S = 0.05  # what `add_request` waits for a compile before it lets t
 COMPILE_TIMEOUT_S = 30.0  # a request whose grammar is still compiling then fails (the compile runs on, unused)
 CACHE_SIZE = 64
 CACHE_BYTES = 256 << 20  # xgrammar's own cache of compiled grammars
+SLOW_MASK_S = 0.002  # a request whose mask took this long has the next filled between its steps, off the step
+MASK_LIMIT_S = 5.0  # a request whose mask took this long fails: its grammar is too costly to follow
+NICE = 19  # the grammar threads' priority: their work yields to the step's
 
 Kind = Literal["json", "json_object", "regex", "choice"]
 KINDS = ("json", "json_object", "regex", "choice")
@@ -51,6 +67,48 @@ class StructuredOutput:
     @classmethod
     def choice(cls, options: list[str], param: str = "guided_choice") -> StructuredOutput:
         return cls("choice", json.dumps(options, ensure_ascii=False), param)
+
+
+class _Worker:
+    """A daemon thread running jobs in order (xgrammar lets go of the GIL meanwhile). A daemon: a compile that never
+    ends must not hold the process at exit. One per kind of job for the process, shared by its engines (a rebuilt
+    engine's too). Its priority is the lowest (`NICE`): on a host whose cores the forward keeps busy (a CPU's), a
+    grammar's work took a core from it, and with it every request's step (a free stream beside a slow regex on two
+    cores: 28 ms a token instead of 13, 0.2 s at worst); at the lowest it takes what the step leaves."""
+
+    _started: dict[str, _Worker] = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def named(cls, name: str) -> _Worker:
+        with cls._lock:
+            if name not in cls._started:
+                cls._started[name] = cls(name)
+            return cls._started[name]
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[[], Any], future: Future | None = None) -> Future:
+        future = Future() if future is None else future
+        self._jobs.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        if sys.platform == "linux":  # (where a thread has a priority of its own)
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+            except OSError:
+                pass
+        while True:
+            fn, future = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:
+                    future.set_exception(e)
+            del fn, future  # (waiting, it holds nothing of the last job)
 
 
 class Grammars:
@@ -76,9 +134,8 @@ class Grammars:
             self._keep[i // 32] &= 0x7FFFFFFF if i % 32 == 31 else ~(1 << (i % 32))
         self._bitmask: torch.Tensor | None = None
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # by (kind, spec), compiling or done
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        # a daemon: a compile that never ends must not hold the process at exit
-        threading.Thread(target=self._compile_loop, name="sluice-grammar", daemon=True).start()
+        self._compiles = _Worker.named("sluice-grammar")
+        self._masks = _Worker.named("sluice-grammar-mask")  # (never behind a compile, which can take minutes)
 
     def compile(self, so: StructuredOutput) -> Future:
         """The compiled grammar of `so`, to come (on the compile thread) or kept from an earlier request; the future
@@ -91,28 +148,38 @@ class Grammars:
         self._compiled[key] = future
         while len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
-        self._jobs.put((so, future))
-        return future
+        return self._compiles.submit(lambda: self._compile(so), future)
 
-    def matcher(self, compiled: Any) -> Any:
-        """A matcher at the grammar's start; ValueError if the grammar allows no token there (it matches nothing:
-        the sampler would have nothing to draw)."""
+    def start(self, req: Request, compiled: Any) -> None:
+        """Gives `req` a matcher at the grammar's start, and its first mask; ValueError if the grammar allows no
+        token there (it matches nothing: the sampler would have nothing to draw)."""
         m = self.xgr.GrammarMatcher(compiled)
-        first = self.xgr.allocate_token_bitmask(1, self.vocab_size)
-        m.fill_next_token_bitmask(first, 0)
+        first, seconds = self._fill(m)
         if not bool((first & self._keep).any()):
             raise ValueError("it matches no text: no token may begin it")
-        return m
+        req.matcher, req.mask = m, Future()
+        req.mask.set_result(first)
+        _timed(req, seconds)
 
-    def _compile_loop(self) -> None:
-        while True:
-            so, future = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self._compile(so))
-            except Exception as e:
-                future.set_exception(e)
+    def fill_later(self, req: Request) -> None:
+        """After `req`'s matcher took a token: if a mask of its grammar was slow, the next is filled on the mask
+        thread now (`Request.waits_for_mask` holds it back until then), else by the sampler when it is drawn."""
+        req.mask = None
+        if req.mask_slow:
+            matcher = req.matcher
+
+            def fill() -> torch.Tensor:
+                mask, seconds = self._fill(matcher)
+                _timed(req, seconds)
+                return mask
+
+            req.mask = self._masks.submit(fill)
+
+    def _fill(self, matcher: Any) -> tuple[torch.Tensor, float]:
+        mask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        started = time.thread_time()
+        matcher.fill_next_token_bitmask(mask, 0)
+        return mask, time.thread_time() - started
 
     def _compile(self, so: StructuredOutput) -> Any:
         try:
@@ -131,14 +198,28 @@ class Grammars:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise ValueError(f"cannot compile it: {reason}") from None
 
-    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-        """In place: -inf on every token of row `rows[i]` that `matchers[i]` does not allow next."""
+    def apply(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+        """In place: -inf on every token of row `rows[i]` that `reqs[i]`'s grammar does not allow next (its mask made
+        ahead, `start` and `fill_later`, or filled now and timed)."""
         n, words = logits.shape[0], (self.vocab_size + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = torch.empty(max(n, 64), words, dtype=torch.int32)
         bitmask = self._bitmask[:n]  # (row i of the logits is row i of the bitmask: `indices` picks both)
-        for i, m in zip(rows, matchers):
-            m.fill_next_token_bitmask(bitmask, i)
+        for i, r in zip(rows, reqs):
+            if r.mask is not None:  # (kept until its token is committed: a step run again uses it again)
+                bitmask[i] = r.mask.result()[0]
+            else:
+                started = time.thread_time()
+                r.matcher.fill_next_token_bitmask(bitmask, i)
+                _timed(r, time.thread_time() - started)
         bitmask &= self._keep  # (the special tokens: out of every row)
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                              vocab_size=self.vocab_size, indices=rows)
+
+
+def _timed(req: Request, seconds: float) -> None:
+    """`req`'s last mask took `seconds`. NOTE: one slow mask has all the next made ahead: a grammar's cost swings
+    from token to token (one of words and spaces is cheap inside a word, slow after it), and each slow one made in
+    the step stalls it."""
+    req.mask_s = seconds
+    req.mask_slow = req.mask_slow or seconds >= SLOW_MASK_S

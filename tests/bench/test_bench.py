@@ -19,6 +19,7 @@ SYSTEMS = {
     "stall": {"mixed@128", "mixed@256", "mixed@512", "mixed@slo", "prefill_first", "static"},
     "prefix": {"prefix-cache-on", "prefix-cache-off"},
     "tiers": {"host-tier", "device-only"},
+    "grammar": {"masks-off-step", "masks-in-step"},
 }
 
 

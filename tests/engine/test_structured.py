@@ -4,7 +4,9 @@ same tokens, and to its end: the grammar's completion ends the request, even wit
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import threading
 
 import jsonschema
@@ -159,3 +161,80 @@ def test_a_compile_past_its_time_is_refused(tiny_model_dir, monkeypatch):
     (out,) = eng.step()
     assert out.error_param == "response_format" and "still compiling" in out.error and not eng.has_unfinished()
     release.set()
+
+
+def _masks_ahead(monkeypatch, hold: threading.Event | None = None) -> list[str]:
+    """Every grammar's masks made ahead, on the mask thread (as a slow grammar's are); with `hold`, those wait for
+    it. The list records the thread each mask was made on."""
+    from engine import structured
+
+    made, fill = [], structured.Grammars._fill
+
+    def timed(self, matcher):
+        name = threading.current_thread().name
+        made.append(name if name != "sluice-grammar-mask" or sys.platform != "linux"
+                    else f"{name} (nice {os.getpriority(os.PRIO_PROCESS, threading.get_native_id())})")
+        if hold is not None and name.startswith("sluice-grammar-mask"):
+            assert hold.wait(600)
+        return fill(self, matcher)
+
+    monkeypatch.setattr(structured, "SLOW_MASK_S", 0.0)
+    monkeypatch.setattr(structured.Grammars, "_fill", timed)
+    return made
+
+
+@pytest.mark.parametrize("loop", ["plain", "async_output_proc", "async_scheduling"])
+def test_slow_masks_are_made_off_the_step_with_the_same_tokens(tiny_model_dir, monkeypatch, loop):
+    """A request whose grammar is slow to follow has each next mask made on the mask thread once its token is
+    committed, and is scheduled when it is ready: the tokens are those of masks made in the step."""
+    kw = {} if loop == "plain" else {loop: True}
+    inline = streams(_engine(tiny_model_dir, **kw), PROMPTS, _params(tiny_model_dir))
+    made = _masks_ahead(monkeypatch)
+    ahead = streams(_engine(tiny_model_dir, **kw), PROMPTS, _params(tiny_model_dir))
+    # (the first masks are made at admission; on Linux the thread's work yields to the step's)
+    assert made.count("sluice-grammar-mask" + (" (nice 19)" if sys.platform == "linux" else "")) > 20
+    tokens = {rid: [t for o in outs for t in o[0]] for rid, outs in inline.items()}
+    assert tokens == {rid: [t for o in outs for t in o[0]] for rid, outs in ahead.items()}
+    assert _texts(inline) == _texts(ahead)
+
+
+@pytest.mark.parametrize("loop", ["plain", "async_scheduling"])
+def test_a_slow_mask_holds_back_only_its_request(tiny_model_dir, monkeypatch, loop):
+    """While a slow grammar's next mask is being made the engine steps the others: the free request runs to its end
+    with the structured one's mask still to come; then the structured one goes on and keeps to its grammar."""
+    hold = threading.Event()
+    _masks_ahead(monkeypatch, hold)
+    eng = _engine(tiny_model_dir, **({} if loop == "plain" else {loop: True}))
+    try:
+        eng.add_request("free", PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        eng.add_request("held", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.0,
+                                                           structured_output=StructuredOutput("regex", REGEX)))
+        got: dict[str, list] = {}
+        while "free" not in got or not got["free"][-1].finished:
+            for o in eng.step():
+                got.setdefault(o.request_id, []).append(o)
+        # its first token (from the grammar's start mask, made at admission), then nothing: its next mask is held
+        assert sum(len(o.new_token_ids) for o in got["held"]) == 1 and not got["held"][-1].finished
+        assert len(got["free"]) >= 30
+    finally:
+        hold.set()
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).append(o)
+    assert re.fullmatch(REGEX, "".join(o.text_delta for o in got["held"])) and got["held"][-1].finish_reason == "stop"
+    eng.check_integrity()
+
+
+def test_a_mask_past_its_limit_fails_its_request(tiny_model_dir, monkeypatch):
+    """A grammar whose mask took longer than MASK_LIMIT_S fails its request (its field named, as a refusal); the
+    others go on."""
+    from engine import structured
+
+    monkeypatch.setattr(structured, "MASK_LIMIT_S", 0.0)
+    eng = _engine(tiny_model_dir)
+    got = streams(eng, PROMPTS[:2], [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                                     SamplingParams(max_tokens=20, temperature=0.0, structured_output=StructuredOutput(
+                                         "regex", REGEX, "guided_regex"))])
+    assert sum(len(o[0]) for o in got["r0"]) == 20
+    assert got["r1"][-1][3] == "abort" and "guided_regex: too costly to follow" in got["r1"][-1][6]
+    assert not eng.requests

@@ -120,6 +120,18 @@ async def test_a_grammar_refused_after_admission_is_the_clients_error(bridge: En
     assert "still compiling" in handle.error.message
 
 
+async def test_a_grammar_too_costly_to_follow_is_the_clients_error(bridge: EngineBridge, monkeypatch) -> None:
+    """A structured output whose token mask took longer than MASK_LIMIT_S fails mid-answer as invalid_message naming
+    its field, not as the engine's failure."""
+    from engine import StructuredOutput, structured
+
+    monkeypatch.setattr(structured, "MASK_LIMIT_S", 0.0)
+    handle = await _finish(bridge, GenerateRequest(prompt="x", chat=False, params=SamplingParams(
+        max_tokens=8, structured_output=StructuredOutput("regex", "a+", "guided_regex"))))
+    assert handle.error is not None and (handle.error.code, handle.error.param) == ("invalid_message", "guided_regex")
+    assert "too costly to follow" in handle.error.message
+
+
 async def test_checks_that_need_the_token_count(bridge: EngineBridge) -> None:
     def req(prompt, max_tokens=None, fit=True):
         return GenerateRequest(prompt=prompt, chat=False, params=SamplingParams(max_tokens=max_tokens), fit_max_tokens=fit)
