@@ -7,7 +7,8 @@ token to it (`LLMEngine._append_tokens`), and the request ends ("stop") once the
 its end (EOS). Grammars compile on a thread of their own (xgrammar lets go of the GIL meanwhile): a schema can take
 seconds or minutes, and the engine thread goes on stepping the other requests; one that compiles within
 `SYNC_COMPILE_S` is admitted at once (its errors raised by `add_request`), a slower one when it is ready, and one
-still compiling after `COMPILE_TIMEOUT_S` fails. Compiled grammars are kept per spec (the last `CACHE_SIZE`).
+still compiling after `COMPILE_TIMEOUT_S` fails. Compiled grammars are kept per spec (the last `CACHE_SIZE`), with
+the mask of their start, made on that thread too.
 xgrammar is imported the first time a request asks for structured output.
 
 A mask is usually tens of microseconds, but an ambiguous expression can take a second a token (`(\w+\s?){1,50}`
@@ -29,7 +30,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple
 
 import torch
 
@@ -67,6 +68,14 @@ class StructuredOutput:
     @classmethod
     def choice(cls, options: list[str], param: str = "guided_choice") -> StructuredOutput:
         return cls("choice", json.dumps(options, ensure_ascii=False), param)
+
+
+class Compiled(NamedTuple):
+    """A compiled grammar (xgrammar's), with the mask of its start and the CPU seconds that mask took."""
+
+    grammar: Any
+    first_mask: torch.Tensor
+    first_mask_s: float
 
 
 class _Worker:
@@ -138,8 +147,9 @@ class Grammars:
         self._masks = _Worker.named("sluice-grammar-mask")  # (never behind a compile, which can take minutes)
 
     def compile(self, so: StructuredOutput) -> Future:
-        """The compiled grammar of `so`, to come (on the compile thread) or kept from an earlier request; the future
-        raises ValueError if its schema, expression or choices cannot be compiled."""
+        """The compiled grammar of `so` (`Compiled`), to come (on the compile thread) or kept from an earlier request;
+        the future raises ValueError if its schema, expression or choices cannot be compiled, or if the grammar
+        allows no token at its start (it matches nothing: the sampler would have nothing to draw)."""
         key = (so.kind, so.spec)
         if (done := self._compiled.get(key)) is not None and not (done.done() and done.exception() is not None):
             self._compiled.move_to_end(key)
@@ -148,18 +158,19 @@ class Grammars:
         self._compiled[key] = future
         while len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
-        return self._compiles.submit(lambda: self._compile(so), future)
+        return self._compiles.submit(lambda: self._first_mask(self._compile(so)), future)
 
-    def start(self, req: Request, compiled: Any) -> None:
-        """Gives `req` a matcher at the grammar's start, and its first mask; ValueError if the grammar allows no
-        token there (it matches nothing: the sampler would have nothing to draw)."""
-        m = self.xgr.GrammarMatcher(compiled)
-        first, seconds = self._fill(m)
+    def start(self, req: Request, compiled: Compiled) -> None:
+        """Gives `req` a matcher at the grammar's start, and the first mask, made with the grammar."""
+        req.matcher, req.mask = self.xgr.GrammarMatcher(compiled.grammar), Future()
+        req.mask.set_result(compiled.first_mask)  # (shared by the requests of the grammar: only read)
+        _timed(req, compiled.first_mask_s)
+
+    def _first_mask(self, grammar: Any) -> Compiled:
+        first, seconds = self._fill(self.xgr.GrammarMatcher(grammar))
         if not bool((first & self._keep).any()):
             raise ValueError("it matches no text: no token may begin it")
-        req.matcher, req.mask = m, Future()
-        req.mask.set_result(first)
-        _timed(req, seconds)
+        return Compiled(grammar, first, seconds)
 
     def fill_later(self, req: Request) -> None:
         """After `req`'s matcher took a token: if a mask of its grammar was slow, the next is filled on the mask
