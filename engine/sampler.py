@@ -11,6 +11,7 @@ serves the rare row still drawing after `MAX_ROUNDS`.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from itertools import chain
 
 import torch
@@ -76,21 +77,15 @@ def apply_biases(logits: torch.Tensor, reqs: list[Request]) -> None:
             masked.append(i)
             masks.append(r.allowed)
         if r.params.logit_bias:
-            if r.biases is None or r.biases[0].device != dev:
-                bias = r.params.logit_bias
-                r.biases = (torch.tensor(list(bias), device=dev), torch.tensor(list(bias.values()), device=dev))
+            r.biases = _pairs(r.biases, dev, r.params.logit_bias, r.params.logit_bias.values())
             parts.append(r.biases)
             rows.append(i)
         if r.min_tokens_banned is not None and r.below_min_tokens():
-            if r.ban is None or r.ban[0].device != dev:
-                ids = torch.tensor(r.min_tokens_banned, device=dev)
-                r.ban = (ids, torch.full(ids.shape, float("-inf"), device=dev))
+            r.ban = _pairs(r.ban, dev, r.min_tokens_banned)
             parts.append(r.ban)
             rows.append(i)
         if r.bad_tokens:
-            if r.bad_device is None or r.bad_device[0].device != dev:
-                ids = torch.tensor(r.bad_tokens, device=dev)
-                r.bad_device = (ids, torch.full(ids.shape, float("-inf"), device=dev))
+            r.bad_device = _pairs(r.bad_device, dev, r.bad_tokens)
             parts.append(r.bad_device)
             rows.append(i)
         if r.bad_sequences:  # its last token, where the output (not the placeholders of running steps) ends in the rest
@@ -98,7 +93,7 @@ def apply_biases(logits: torch.Tensor, reqs: list[Request]) -> None:
             last = [s[-1] for s in r.bad_sequences
                     if len(s) - 1 <= end - r.num_prompt_tokens and r.token_ids[end - len(s) + 1 : end] == s[:-1]]
             if last:
-                parts.append((torch.tensor(last, device=dev), torch.full((len(last),), float("-inf"), device=dev)))
+                parts.append(_pairs(None, dev, last))
                 rows.append(i)
     if parts:  # (accumulated: a token both biased and banned is -inf)
         keys = torch.cat([ids for ids, _ in parts]) + torch.repeat_interleave(
@@ -107,6 +102,16 @@ def apply_biases(logits: torch.Tensor, reqs: list[Request]) -> None:
     if masked:
         at = torch.tensor(masked, device=dev)
         logits[at] = logits[at].masked_fill(torch.stack(masks), float("-inf"))
+
+
+def _pairs(made: tuple[torch.Tensor, torch.Tensor] | None, dev: torch.device, ids: Iterable[int],
+           values: Iterable[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, values) on `dev` for `apply_biases`' scatter: `made` if it is there already (a request's, made at
+    its first step), else made now; values -inf when not given (the token is banned)."""
+    if made is not None and made[0].device == dev:
+        return made
+    t = torch.tensor(list(ids), device=dev)
+    return t, torch.full(t.shape, float("-inf"), device=dev) if values is None else torch.tensor(list(values), device=dev)
 
 
 def filter_logits(
