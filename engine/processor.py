@@ -39,17 +39,19 @@ class InputProcessor:
                         "messages are only bounded by their characters before they are tokenized")
 
     def chat_ids(self, messages: Messages, add_special_tokens: bool = False, *, add_generation_prompt: bool = True,
-                 continue_final_message: bool = False) -> list[int]:
+                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The chat template applied to `messages`, tokenized (the template writes the special tokens it wants: the
         tokenizer's own, a BOS say, are added only if asked). A message is a `{"role", "content"}` dict or any object
         with those attributes (a server's wire type). As vLLM's and transformers' options of the same names:
         `add_generation_prompt` ends the prompt with the opening of the assistant's turn; `continue_final_message`
-        instead leaves the last message open, so the answer continues its text (a prefilled answer)."""
+        instead leaves the last message open, so the answer continues its text (a prefilled answer); `tools` (OpenAI's
+        function tools) are the template's to show, as it writes them (one that does not mention them leaves them
+        out)."""
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         messages = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message)
+                                                  continue_final_message=continue_final_message, tools=tools or None)
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -59,6 +59,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
+    enable_auto_tool_choice: bool = False  # (vLLM's) chat tool_choice "auto": the answer parsed for calls
+    tool_call_parser: str | None = None  # how: `hermes` (service/openai_tools.py)
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_connections: int | None = None
@@ -92,6 +94,8 @@ class ServerConfig:
             raise ValueError("--timeout-graceful-shutdown must be >= 0")
         if not self.engine_iteration_timeout_s >= 0:
             raise ValueError("--engine-iteration-timeout-s must be >= 0 (0: no watchdog)")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
 
@@ -129,7 +133,7 @@ def flag_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 def _env_value(action: argparse.Action, raw: str) -> Any:
     """A variable's text -> what its flag would have parsed to; ValueError says what was expected."""
-    if isinstance(action, argparse.BooleanOptionalAction):
+    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
         word = raw.strip().lower()
         if word not in _TRUE | _FALSE:
             raise ValueError("expected 1/0, true/false, yes/no or on/off")
@@ -229,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=d.host, help="interface to bind (default: %(default)s)")
     s.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
     s.add_argument("--served-model-name", help="model name in API responses (default: the model's)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true", default=d.enable_auto_tool_choice,
+                   help="chat completions with tools may leave the choice to the model (tool_choice auto, the default "
+                        "with tools): its answer is parsed for calls by --tool-call-parser")
+    s.add_argument("--tool-call-parser", choices=("hermes",), default=d.tool_call_parser,
+                   help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes)")
     s.add_argument("--api-key", help="require this key on /v1/* and the WebSocket")
     s.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
                    help="comma-separated Origins allowed to open WebSockets; repeatable (default: any)")

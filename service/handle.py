@@ -52,6 +52,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's), once tokenized
+    tools: list[dict[str, Any]] | None = None  # a chat's tools, for its template (service/openai_tools.py)
 
 
 class RequestHandle:

@@ -25,6 +25,7 @@ from service.openai_schema import (
     ChatCompletionRequest, CommonRequest, CompletionRequest, chat_messages, completion_prompts, decode_body,
     refuse_unsupported,
 )
+from service import openai_tools
 from service.openai_render import ChatRender, CompletionRender, Render
 
 if TYPE_CHECKING:
@@ -115,8 +116,17 @@ async def chat_completions(request: Request) -> Response:
             raise HTTPError(400, "messages must hold at least one message", param="messages")
         if body.top_logprobs is not None and not body.logprobs:
             raise HTTPError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        kwargs = body.sampling_kwargs()
+        tools = openai_tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                  svc.config.tool_call_parser if svc.config.enable_auto_tool_choice else None)
+        if tools.structured_output is not None:
+            if (so := kwargs.get("structured_output")) is not None:
+                raise HTTPError(400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'named'} "
+                                     f"holds the answer to its calls: it cannot be combined with {so.param}",
+                                param="tool_choice")
+            kwargs["structured_output"] = tools.structured_output
         params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
-                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None, **body.sampling_kwargs())
+                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None, **kwargs)
         continue_final = bool(body.continue_final_message)
         add_generation_prompt = body.add_generation_prompt if body.add_generation_prompt is not None else (
             not continue_final)  # (vLLM's default is true, which continue_final_message must turn off)
@@ -127,9 +137,11 @@ async def chat_completions(request: Request) -> Response:
         req = GenerateRequest(prompt=messages, chat=True, params=params, api="chat", client=_peer(request),
                               fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
                               add_special_tokens=body.add_special_tokens, add_generation_prompt=add_generation_prompt,
-                              continue_final_message=continue_final, truncate_prompt_tokens=_truncation(svc, body))
+                              continue_final_message=continue_final, truncate_prompt_tokens=_truncation(svc, body),
+                              tools=tools.tools)
         echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
-        render = ChatRender(svc.model_name, body.logprobs, echo=echo, token_ids=bool(body.return_tokens_as_token_ids))
+        render = ChatRender(svc.model_name, body.logprobs, echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
+                            tools=tools if tools.mode != "none" else None)
         return await _generate(request, svc, [req], render, body)
     except RequestError as e:
         return _error(_from_request_error(e))
@@ -273,7 +285,8 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, even
                 done = h.finished  # (before taking: what comes while the chunk is written is taken next pass)
                 text, _, lps = h.take()
                 if text or lps:
-                    yield _event(r.stream_delta(text, lps, include_usage))
+                    for chunk in r.stream_delta(text, lps, include_usage):
+                        yield _event(chunk)
                 if not done:
                     continue
                 del running[h]

@@ -9,7 +9,9 @@ import time
 import uuid
 from typing import Any, Protocol
 
+from service import openai_tools
 from service.handle import RequestHandle, TokenLogprobs
+from service.openai_tools import ToolPlan, ToolStream
 
 
 def usage(handles: list[RequestHandle], n: int = 1) -> dict[str, Any]:
@@ -37,7 +39,7 @@ class Render(Protocol):
     def choice(self, h: RequestHandle) -> dict[str, Any]: ...
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]: ...
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]: ...
-    def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> dict[str, Any]: ...
+    def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]: ...
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]: ...
     def usage_chunk(self, handles: list[RequestHandle], n: int) -> dict[str, Any]: ...
 
@@ -87,10 +89,14 @@ class ChatRender(_Base):
     ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: ChatRender | None = None, *,
-                 echo: str = "", token_ids: bool = False) -> None:
-        """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's)."""
+                 echo: str = "", token_ids: bool = False, tools: ToolPlan | None = None) -> None:
+        """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's); `tools`: what
+        the request's tools ask of the answer (service/openai_tools.py: its calls parsed out of the text)."""
         super().__init__(model, logprobs, index, first, token_ids=token_ids)
         self.echo = first.echo if first is not None else echo
+        self.tools = first.tools if first is not None else tools
+        self.stream = ToolStream(self.tools) if self.tools is not None else None
+        self.held: list[TokenLogprobs] = []  # a stream's logprobs of text the tool parser holds back
 
     def _lp(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
         def entry(i: int, tok: str, raw: bytes, lp: float) -> dict[str, Any]:
@@ -101,8 +107,16 @@ class ChatRender(_Base):
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
-        return {"index": self.index, "message": {"role": "assistant", "content": self.echo + text},
-                "logprobs": self._lp(lps) if self.logprobs else None, "finish_reason": _finish_reason(h)}
+        message: dict[str, Any] = {"role": "assistant", "content": self.echo + text}
+        reason = _finish_reason(h)
+        if self.tools is not None:
+            content, calls = openai_tools.answer(self.tools, text)
+            message["content"] = self.echo + content if content is not None else (self.echo or None)
+            if calls:
+                message["tool_calls"] = calls
+            reason = openai_tools.finish_reason(self.tools, reason, bool(calls))
+        return {"index": self.index, "message": message, "logprobs": self._lp(lps) if self.logprobs else None,
+                "finish_reason": reason}
 
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         chunks = [self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -112,14 +126,31 @@ class ChatRender(_Base):
                                         "finish_reason": None}], include_usage))
         return chunks
 
-    def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> dict[str, Any]:
-        return self._chunk([{"index": self.index, "delta": {"content": text},
-                             "logprobs": self._lp(lps) if self.logprobs else None, "finish_reason": None}],
-                           include_usage)
+    def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
+        if self.stream is None:
+            return [self._chunk([{"index": self.index, "delta": {"content": text},
+                                  "logprobs": self._lp(lps) if self.logprobs else None, "finish_reason": None}],
+                                include_usage)]
+        return self._deltas(self.stream.feed(text), lps, include_usage)
+
+    def _deltas(self, deltas: list[dict[str, Any]], lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
+        """The tool parser's deltas as chunks, the logprobs of their tokens with the first (held back meanwhile)."""
+        self.held += lps
+        if not deltas:
+            return []
+        held, self.held = self.held, []
+        return [self._chunk([{"index": self.index, "delta": d, "logprobs": self._lp(held) if self.logprobs and k == 0
+                              and held else None, "finish_reason": None}], include_usage)
+                for k, d in enumerate(deltas)]
 
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
-        return [self._chunk([{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(h)}],
-                            include_usage)]
+        reason = _finish_reason(h)
+        chunks = []
+        if self.stream is not None:
+            chunks = self._deltas(self.stream.end(reason), [], include_usage)
+            reason = openai_tools.finish_reason(self.tools, reason, self.stream.calls > 0)  # type: ignore[arg-type]
+        return chunks + [self._chunk([{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}],
+                                     include_usage)]
 
 
 class CompletionRender(_Base):
@@ -165,9 +196,9 @@ class CompletionRender(_Base):
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         return []
 
-    def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> dict[str, Any]:
-        return self._chunk([{"index": self.index, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
-                             "finish_reason": None}], include_usage)
+    def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
+        return [self._chunk([{"index": self.index, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
+                              "finish_reason": None}], include_usage)]
 
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         return [self._chunk([{"index": self.index, "text": "", "logprobs": None, "finish_reason": _finish_reason(h)}],

@@ -12,6 +12,7 @@ from msgspec import Meta, Struct
 from engine import InvalidSamplingParam
 from service import json_guard
 from service.openai_errors import HTTPError
+from service.openai_tools import NamedToolChoice, Tool, ToolCall, template_messages
 from service.protocol import (
     SAMPLING_FIELDS, MaxTokens, MinP, MinTokens, Penalty, RepetitionPenalty, Seed, StopString, StopStrings, Temperature,
     TopK, TopP, structured_output,
@@ -26,6 +27,9 @@ class _ContentPart(Struct):
 class _Message(Struct):
     role: str
     content: str | list[_ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (service/openai_tools.py)
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    name: str | None = None
 
 
 class _StreamOptions(Struct):
@@ -116,9 +120,10 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    tools: Any = None  # not implemented, see CommonRequest
-    tool_choice: Any = None
-    functions: Any = None
+    tools: list[Tool] | None = None  # tool calling: service/openai_tools.py
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None  # (OpenAI's older form of tools: refused, see CommonRequest)
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
@@ -142,10 +147,8 @@ class CompletionRequest(CommonRequest):
 
 # parameter -> (the values that leave the output as Sluice makes it, besides null or leaving it out; what is missing)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": (([],), "no tool calling"),
-    "functions": (([],), "no tool calling"),
-    "tool_choice": (("none", "auto"), "no tool calling"),
-    "function_call": (("none", "auto"), "no tool calling"),
+    "functions": (([],), "give them as `tools`"),
+    "function_call": (("none",), "give `tool_choice`, with `tools`"),
     "guided_grammar": ((), "no guided decoding"),
     "audio": ((), "text output only"),
     "modalities": ((["text"],), "text output only"),
@@ -177,17 +180,25 @@ def refuse_unsupported(body: CommonRequest) -> None:
                             param=name, code="unsupported_parameter")
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    out = []
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: role and content, an assistant's tool calls (their arguments a
+    mapping), a tool message's call id."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):
         role = _ROLES.get(m.role)
         if role is None:
-            raise HTTPError(400, f"messages[{i}].role {m.role!r} is not supported; use system, user or assistant",
-                            param=f"messages[{i}].role",
-                            code="unsupported_parameter" if m.role in ("tool", "function") else "invalid_message")
+            raise HTTPError(400, f"messages[{i}].role {m.role!r} is not supported; use system, user, assistant or "
+                                 "tool", param=f"messages[{i}].role",
+                            code="unsupported_parameter" if m.role == "function" else "invalid_message")
+        if role == "tool" and not m.tool_call_id:
+            raise HTTPError(400, f"messages[{i}]: a tool message needs the tool_call_id of the call it answers",
+                            param=f"messages[{i}].tool_call_id")
+        if m.tool_calls and role != "assistant":
+            raise HTTPError(400, f"messages[{i}]: only an assistant's message has tool_calls",
+                            param=f"messages[{i}].tool_calls")
         if isinstance(m.content, list):
             if any(p.type != "text" for p in m.content):
                 raise HTTPError(400, f"messages[{i}].content: only text parts are supported",
@@ -195,7 +206,16 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
             content = "".join(p.text or "" for p in m.content)
         else:
             content = m.content or ""
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]
+        if role == "tool":
+            message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+        out.append(message)
+    template_messages(out)
     return out
 
 

@@ -253,9 +253,15 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
     ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, "invalid_message", "messages[0].role"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "invalid_message", "top_logprobs"),
     ("/v1/chat/completions", {"n": 0}, "invalid_message", "n"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter",
-     "tools"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
+    # tools leave the choice to the model by default, which needs a tool-call parser this server was not given
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "invalid_message",
+     "tool_choice"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "invalid_message", "tool_choice"),  # no tools
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f g"}}], "tool_choice": "required"},
+     "invalid_message", "tools[0].function.name"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "invalid_message",
+     "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "unsupported_parameter", "functions"),
     ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "invalid_message", "response_format"),
     ("/v1/chat/completions", {"guided_grammar": "root ::= \"x\""}, "unsupported_parameter", "guided_grammar"),
@@ -265,8 +271,11 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
     ("/v1/chat/completions", {"logit_bias": {"-5": 1}}, "invalid_message", "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"5": 1, "05": -1}}, "invalid_message", "logit_bias"),  # token 5 twice
     ("/v1/chat/completions", {"guided_json": [1]}, "invalid_message", "guided_json"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "unsupported_parameter",
-     "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "invalid_message",
+     "messages[0].tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}, "invalid_message",
+     "messages[0].tool_calls[0].function.arguments"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "unsupported_parameter", "messages[0].content"),
     ("/v1/completions", {"prompt": "x", "echo": True}, "unsupported_parameter", "echo"),

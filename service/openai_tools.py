@@ -1,0 +1,280 @@
+"""OpenAI's tool calling on chat completions, as vLLM serves it.
+
+The tools go to the chat template (`tools`), which decides how the model sees them; earlier turns' tool calls
+(an assistant's `tool_calls`) and results (`tool` messages) go to it too. What comes back depends on `tool_choice`:
+
+- `{"type": "function", "function": {"name": N}}`: the answer is held to N's parameters (structured output, a JSON
+  schema) and is returned as one call of N, its text the call's `arguments`;
+- `required`: the answer is held to a JSON list of one or more `{"name", "parameters"}` objects, one of the tools
+  each (one only with `parallel_tool_calls: false`), returned as calls;
+- `auto` (the default when tools are given): the model decides; its text is parsed for calls by the server's
+  `--tool-call-parser` (`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen2.5's and Hermes'
+  format), which needs `--enable-auto-tool-choice`, as in vLLM;
+- `none`: plain text.
+
+An answer with calls finishes with `tool_calls` (`stop` for a named one, as OpenAI's); one cut short by `max_tokens`
+keeps `length`, and a `required` answer that is then not a whole list comes back as text.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from msgspec import Struct
+
+from engine import StructuredOutput
+from service.openai_errors import HTTPError
+
+MAX_TOOLS = 128  # OpenAI's bound
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+
+
+class FunctionDef(Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct):
+    type: str
+    function: FunctionDef
+
+
+class _FunctionName(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    type: str
+    function: _FunctionName
+
+
+class FunctionCall(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+Mode = Literal["none", "named", "required", "auto"]
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools ask of its answer: `mode`, the named function's name, the tools as the chat template
+    takes them, the structured output that holds the answer (named, required) and the parser of `auto`."""
+
+    mode: Mode
+    name: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    structured_output: StructuredOutput | None = None
+    parser: str | None = None
+    parallel: bool = True
+
+
+def plan(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None, parallel_tool_calls: bool | None,
+         parser: str | None) -> ToolPlan:
+    """The request's `ToolPlan`; a 400 naming `tools` or `tool_choice` for one that cannot be served. `parser`: the
+    server's `--tool-call-parser` if `--enable-auto-tool-choice`, else None."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise HTTPError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
+        return ToolPlan("none")
+    if len(tools) > MAX_TOOLS:
+        raise HTTPError(400, f"at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
+    names: set[str] = set()
+    for i, t in enumerate(tools):
+        if t.type != "function":
+            raise HTTPError(400, f"tools[{i}].type must be 'function', got {t.type!r}", param=f"tools[{i}].type")
+        if not _NAME.fullmatch(t.function.name):
+            raise HTTPError(400, f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-', got "
+                                 f"{t.function.name!r}", param=f"tools[{i}].function.name")
+        if t.function.name in names:
+            raise HTTPError(400, f"tools[{i}].function.name {t.function.name!r} is given twice",
+                            param=f"tools[{i}].function.name")
+        names.add(t.function.name)
+    listed = [{"type": "function", "function": {k: v for k, v in (
+        ("name", t.function.name), ("description", t.function.description), ("parameters", t.function.parameters))
+        if v is not None}} for t in tools]
+    parallel = parallel_tool_calls is not False
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, NamedToolChoice):
+        if choice.type != "function":
+            raise HTTPError(400, f"tool_choice.type must be 'function', got {choice.type!r}", param="tool_choice")
+        tool = next((t for t in tools if t.function.name == choice.function.name), None)
+        if tool is None:
+            raise HTTPError(400, f"tool_choice names {choice.function.name!r}, which is not one of the tools",
+                            param="tool_choice")
+        schema = tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
+        return ToolPlan("named", tool.function.name, listed, _held(schema), parallel=parallel)
+    if choice == "required":
+        call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                   "parameters": t.function.parameters or {"type": "object"}},
+                 "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}, **({} if parallel else {"maxItems": 1})}
+        return ToolPlan("required", None, listed, _held(schema), parallel=parallel)
+    if choice == "auto":
+        if parser is None:
+            raise HTTPError(400, '"auto" tool choice (the default when tools are given) needs the server started with '
+                                 "--enable-auto-tool-choice and --tool-call-parser; ask for \"required\", a named "
+                                 "function or \"none\"", param="tool_choice")
+        return ToolPlan("auto", None, listed, None, parser, parallel)
+    if choice == "none":
+        return ToolPlan("none", None, listed)
+    raise HTTPError(400, f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+                    param="tool_choice")
+
+
+def _held(schema: dict[str, Any]) -> StructuredOutput:
+    return StructuredOutput("json", json.dumps(schema), "tool_choice")
+
+
+def template_messages(messages: list[Any]) -> None:
+    """In place: an assistant message's `tool_calls` as chat templates take them (`arguments` a mapping, as
+    transformers and vLLM give it); a 400 naming the call whose arguments are not a JSON object."""
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            try:
+                args = json.loads(call["function"]["arguments"] or "{}")
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise HTTPError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object's text",
+                                param=f"messages[{i}].tool_calls[{j}].function.arguments")
+            call["function"]["arguments"] = args
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _calls_of_list(text: str) -> list[dict[str, Any]] | None:
+    """`required`'s answer (a JSON list of {"name", "parameters"}) as calls; None if it is not one (cut short)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not all(isinstance(x, dict) and "name" in x for x in items):
+        return None
+    return [_call(x["name"], json.dumps(x.get("parameters", {}), ensure_ascii=False)) for x in items]
+
+
+def _hermes_call(body: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return _call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def answer(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole answer's `content` and tool calls."""
+    if p.mode == "named":
+        return None, [_call(p.name, text)]  # type: ignore[arg-type]
+    if p.mode == "required":
+        calls = _calls_of_list(text)
+        return (text, []) if calls is None else (None, calls)
+    if p.mode == "auto":
+        calls = [_hermes_call(m.group(1)) for m in _HERMES.finditer(text)]
+        if not calls or None in calls:  # (no call, or one that is not JSON: the text as it is, as vLLM's)
+            return text, []
+        content = _HERMES.sub("", text).strip()
+        return content or None, calls  # type: ignore[return-value]
+    return text, []
+
+
+def finish_reason(p: ToolPlan, reason: str, calls: bool) -> str:
+    """OpenAI's: `tool_calls` when the model chose to call (auto, required), `stop` for a named call."""
+    return "tool_calls" if calls and reason != "length" and p.mode in ("auto", "required") else reason
+
+
+class ToolStream:
+    """One streamed choice's deltas: text in, OpenAI's delta objects out (`content`, or `tool_calls` entries)."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self, p: ToolPlan) -> None:
+        self.plan = p
+        self.buf = ""
+        self.calls = 0  # tool calls sent
+        self.in_call = False  # auto: inside <tool_call>
+        self.header = False  # named: the call's id and name sent
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        mode = self.plan.mode
+        if mode == "named":
+            if self.header:
+                return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
+            self.header, self.calls = True, 1
+            call = _call(self.plan.name, text)  # type: ignore[arg-type]
+            return [{"tool_calls": [{"index": 0, **call}]}]
+        if mode == "required":
+            self.buf += text
+            return []
+        if mode == "auto":
+            self.buf += text
+            return self._auto()
+        return [{"content": text}] if text else []
+
+    def end(self, reason: str) -> list[dict[str, Any]]:
+        """The deltas still held back when the answer ended."""
+        mode, out = self.plan.mode, []
+        if mode == "named" and not self.header:
+            out = self.feed("")
+        elif mode == "required":
+            calls = _calls_of_list(self.buf)
+            if calls is None:
+                out = [{"content": self.buf}] if self.buf else []
+            else:
+                self.calls = len(calls)
+                out = [{"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}]
+        elif mode == "auto" and (self.buf or self.in_call):
+            call = _hermes_call(self.buf) if self.in_call else None  # (an unclosed call at the end)
+            out = [self._sent(call)] if call is not None else [
+                {"content": (self.START if self.in_call else "") + self.buf}]
+        self.buf = ""
+        return out
+
+    def _auto(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while True:
+            if not self.in_call:
+                i = self.buf.find(self.START)
+                if i < 0:  # all of it is content, but an end that could begin the tag
+                    keep = next((k for k in range(min(len(self.START) - 1, len(self.buf)), 0, -1)
+                                 if self.START.startswith(self.buf[-k:])), 0)
+                    if len(self.buf) > keep:
+                        out.append({"content": self.buf[: len(self.buf) - keep]})
+                        self.buf = self.buf[len(self.buf) - keep:]
+                    return out
+                if i:
+                    out.append({"content": self.buf[:i]})
+                self.buf, self.in_call = self.buf[i + len(self.START):], True
+            j = self.buf.find(self.END)
+            if j < 0:
+                return out
+            body, self.buf, self.in_call = self.buf[:j], self.buf[j + len(self.END):], False
+            call = _hermes_call(body)
+            out.append(self._sent(call) if call is not None else {"content": self.START + body + self.END})
+
+    def _sent(self, call: dict[str, Any]) -> dict[str, Any]:
+        self.calls += 1
+        return {"tool_calls": [{"index": self.calls - 1, **call}]}

@@ -1,0 +1,197 @@
+"""Tool calling on chat completions (service/openai_tools.py): the plan a request's tools and tool_choice make, the
+hermes parser against text cut anywhere, and a real server (the tiny model under a template that shows tools) whose
+named, required and auto answers come back as calls, streamed and not, through the official `openai` client."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import jsonschema
+import msgspec
+import openai
+import pytest
+
+from service.app import build_app
+from service.config import ServerConfig
+from service.openai_errors import HTTPError
+from service.openai_tools import NamedToolChoice, Tool, ToolStream, answer, plan
+from tests.service.conftest import in_process
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                            "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# a Hermes-style template (Qwen2.5's, shortened): the tools in a system turn, calls and results in their own
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and 'tool_calls' in m %}<|im_start|>assistant\n"
+    "{% for c in m['tool_calls'] %}<tool_call>{{ {'name': c['function']['name'], 'arguments': "
+    "c['function']['arguments']} | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tools(*names: str) -> list[Tool]:
+    return msgspec.convert([t for t in TOOLS if not names or t["function"]["name"] in names], list[Tool])
+
+
+def test_the_plan_of_each_choice() -> None:
+    assert plan(None, None, None, None).mode == "none"
+    named = plan(_tools(), msgspec.convert({"type": "function", "function": {"name": "get_time"}}, NamedToolChoice),
+                 None, None)
+    assert named.mode == "named" and named.name == "get_time"
+    assert json.loads(named.structured_output.spec) == TIME and named.structured_output.param == "tool_choice"
+    required = plan(_tools(), "required", False, None)
+    schema = json.loads(required.structured_output.spec)
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    jsonschema.validate([{"name": "get_time", "parameters": {"zone": "UTC"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {"city": "Paris", "unit": "C"}}], schema)
+    assert plan(_tools(), "auto", None, "hermes").parser == "hermes"
+    assert [t["function"]["name"] for t in plan(_tools(), "none", None, None).tools] == ["get_weather", "get_time"]
+    for tools, choice, param in ((None, "required", "tool_choice"), (_tools(), None, "tool_choice"),  # auto: no parser
+                                 (_tools(), "sometimes", "tool_choice"),
+                                 (_tools("get_time") * 2, "required", "tools[1].function.name")):
+        with pytest.raises(HTTPError) as e:
+            plan(tools, choice, None, None)
+        assert e.value.param == param and e.value.status == 400
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text", [
+    CALL, "Let me look. " + CALL, CALL + CALL.replace("Rome", "Oslo"), "no call at all <tool", "<tool_call>{nope}</tool_call>",
+    '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}',  # cut off before its end tag
+])
+def test_hermes_streamed_anyhow_gives_the_whole_answer(text: str) -> None:
+    """The hermes parser fed the answer one character at a time, or in pieces that split the tags, sends the content
+    and calls the whole answer has: no tag text leaks, nothing is lost."""
+    p = plan(_tools(), "auto", None, "hermes")
+    content, calls = answer(p, text)
+    for size in (1, 3, 7, len(text)):
+        stream = ToolStream(p)
+        deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])] + stream.end("stop")
+        streamed = "".join(d.get("content", "") for d in deltas)
+        got = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [c["index"] for c in got] == list(range(len(got)))
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls], (size, deltas)
+        if calls:
+            assert streamed.strip() == (content or "") and "<tool_call>" not in streamed
+        else:
+            assert streamed == text == content
+
+
+@pytest.fixture(scope="module")
+def tools_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tools-model")
+    for f in tiny_model_dir.iterdir():
+        (out / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy(f, out / f.name)
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tools_model_dir: Path):
+    config = ServerConfig(model=str(tools_model_dir), served_model_name="tools-model", num_kv_blocks=256, max_model_len=1024, engine_process=False,
+                          enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with in_process(build_app(config), "tools-server") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _streamed(client: openai.OpenAI, **kw) -> tuple[str | None, list[tuple[str, str]], str]:
+    """A streamed answer's content, calls (name, arguments: their deltas joined) and finish reason."""
+    content, calls, reason = None, {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        (c,) = chunk.choices
+        if c.delta.content:
+            content = (content or "") + c.delta.content
+        for t in c.delta.tool_calls or ():
+            if t.id:  # a call's first delta: its id and name
+                calls[t.index] = [t.function.name, ""]
+            calls[t.index][1] += t.function.arguments or ""
+        reason = c.finish_reason or reason
+    return content, [tuple(calls[i]) for i in sorted(calls)], reason
+
+
+def test_a_named_function_is_called(client: openai.OpenAI) -> None:
+    kw = dict(model="tools-model", messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=3,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.create(**kw)
+    (c,) = r.choices
+    (call,) = c.message.tool_calls
+    assert c.finish_reason == "stop" and c.message.content is None and call.type == "function"
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert _streamed(client, **kw) == (None, [("get_weather", call.function.arguments)], "stop")
+
+
+def test_required_calls_one_of_the_tools(client: openai.OpenAI) -> None:
+    kw = dict(model="tools-model", messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=300, seed=5)
+    r = client.chat.completions.create(**kw)
+    (c,) = r.choices
+    (call,) = c.message.tool_calls
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    schema = WEATHER if call.function.name == "get_weather" else TIME
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert _streamed(client, **kw) == (None, [(call.function.name, call.function.arguments)], "tool_calls")
+
+
+def test_auto_parses_the_models_calls(client: openai.OpenAI) -> None:
+    """With `auto` the model decides: its text is parsed for hermes calls. The tiny model's random weights never
+    write one, so a regex writes it for them (structured output beside auto: the answer's text, parsed after)."""
+    regex = (r'I will check\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "C"\}\}'
+             r'</tool_call>')
+    kw = dict(model="tools-model", messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=1,
+              extra_body={"guided_regex": regex})
+    r = client.chat.completions.create(**kw)
+    (c,) = r.choices
+    (call,) = c.message.tool_calls
+    assert c.finish_reason == "tool_calls" and c.message.content == "I will check."
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["unit"] == "C"
+    content, calls, reason = _streamed(client, **kw)
+    assert (content.strip(), calls, reason) == ("I will check.", [("get_weather", call.function.arguments)],
+                                                "tool_calls")
+    # none: the same text is the answer's, unparsed
+    r = client.chat.completions.create(**{**kw, "tool_choice": "none"})
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_tools_and_earlier_calls_reach_the_template(server, client: openai.OpenAI) -> None:
+    """The tools, an assistant's earlier calls (their arguments a mapping) and the tools' results are written into
+    the prompt by the model's template: each adds to its tokens."""
+    def prompt_tokens(**kw) -> int:
+        return client.chat.completions.create(model="tools-model", max_tokens=1, **kw).usage.prompt_tokens
+
+    turn = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]
+    plain = prompt_tokens(messages=MESSAGES)
+    assert prompt_tokens(messages=MESSAGES, tools=TOOLS, tool_choice="none") > plain + 40  # (the tools' JSON)
+    assert prompt_tokens(messages=turn) > plain + 20
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for extra, param in (({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                               "tool_choice"),  # (two things holding the answer)
+                              ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                               "tool_choice")):
+            r = http.post("/v1/chat/completions", json={"model": "tools-model", "messages": MESSAGES, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
