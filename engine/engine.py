@@ -344,7 +344,8 @@ class LLMEngine:
     def _wait_for_masks(self) -> None:
         """Nothing ran this step: if a request waits for its grammar's next mask (engine/structured.py), waits a
         little for it (not a busy loop)."""
-        if masks := [r.mask for r in self.scheduler.running if r.mask is not None and not r.mask.done()]:
+        if masks := [r.mask for q in (self.scheduler.running, self.scheduler.waiting) for r in q
+                     if r.mask is not None and not r.mask.done()]:  # (waiting: preempted while it was being made)
             futures.wait(masks, timeout=0.01, return_when=futures.FIRST_COMPLETED)
 
     def abort(self, request_id: str) -> None:

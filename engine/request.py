@@ -168,6 +168,7 @@ class Request:
         self.mask = None  # its next token's grammar mask, made ahead (a Future), until that token is committed
         self.mask_s = 0.0  # the seconds its last mask took
         self.mask_slow = False  # one took SLOW_MASK_S or more: the next are made off the step (engine/structured.py)
+        self.fast_masks = 0  # masks since, each under SLOW_MASK_S (FAST_MASKS of them: back in the step)
         # params.bad_words as token ids, set by the engine: those of one token (never sampled; on the device once, the
         # sampler's) and those of more (their last token not sampled after the others)
         self.bad_tokens: list[int] = []

@@ -333,5 +333,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        if req.mask is not None:
+            req.mask.cancel()  # (its grammar's next mask, if still queued: never made, others' go first)
         if not self.has_unfinished():
             self.pressure.settle()

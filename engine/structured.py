@@ -14,9 +14,10 @@ xgrammar is imported the first time a request asks for structured output.
 A mask is usually tens of microseconds, but an ambiguous expression can take a second a token (`(\w+\s?){1,50}`
 takes 0.1-0.2 s at a vocabulary of 8,192; `((a{1,100}){1,100}){1,100}` over a second by its 110th token), and a mask
 made in the step stalls every request in it. So each mask's CPU time is measured: once one took `SLOW_MASK_S` or
-more, the request's next masks are made on a thread of their own, each as soon as its token is committed
-(`fill_later`), and the scheduler leaves it out until its mask is ready (`Request.waits_for_mask`): it slows only
-itself. A request whose mask took `MASK_LIMIT_S` fails, its field named.
+more, the request's next masks (until `FAST_MASKS` in a row are fast) are made on a thread of their own at the lowest
+priority, each as soon as its token is committed (`fill_later`), and the scheduler leaves it out until its mask is
+ready (`Request.waits_for_mask`): it slows only itself. A request whose mask took `MASK_LIMIT_S` fails, its field
+named; one that ends has its queued mask cancelled.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ CACHE_SIZE = 64
 CACHE_BYTES = 256 << 20  # xgrammar's own cache of compiled grammars
 SLOW_MASK_S = 0.002  # a request whose mask took this long has the next filled between its steps, off the step
 MASK_LIMIT_S = 5.0  # a request whose mask took this long fails: its grammar is too costly to follow
-NICE = 19  # the grammar threads' priority: their work yields to the step's
+MASK_NICE = 19  # the mask thread's priority: a slow grammar's work yields to the step's
+FAST_MASKS = 8  # a slow request whose masks took under SLOW_MASK_S this many times in a row has them made in the step
 
 Kind = Literal["json", "json_object", "regex", "choice"]
 KINDS = ("json", "json_object", "regex", "choice")
@@ -79,24 +81,23 @@ class Compiled(NamedTuple):
 
 
 class _Worker:
-    """A daemon thread running jobs in order (xgrammar lets go of the GIL meanwhile). A daemon: a compile that never
-    ends must not hold the process at exit. One per kind of job for the process, shared by its engines (a rebuilt
-    engine's too). Its priority is the lowest (`NICE`): on a host whose cores the forward keeps busy (a CPU's), a
-    grammar's work took a core from it, and with it every request's step (a free stream beside a slow regex on two
-    cores: 28 ms a token instead of 13, 0.2 s at worst); at the lowest it takes what the step leaves."""
+    """A daemon thread running jobs in order (xgrammar lets go of the GIL meanwhile); a job whose future was
+    cancelled while it waited is skipped. A daemon: a compile that never ends must not hold the process at exit. One
+    per kind of job for the process, shared by its engines (a rebuilt engine's too). `nice`: its priority (Linux)."""
 
     _started: dict[str, _Worker] = {}
     _lock = threading.Lock()
 
     @classmethod
-    def named(cls, name: str) -> _Worker:
+    def named(cls, name: str, nice: int = 0) -> _Worker:
         with cls._lock:
             if name not in cls._started:
-                cls._started[name] = cls(name)
+                cls._started[name] = cls(name, nice)
             return cls._started[name]
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, nice: int) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._nice = nice
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def submit(self, fn: Callable[[], Any], future: Future | None = None) -> Future:
@@ -105,9 +106,9 @@ class _Worker:
         return future
 
     def _loop(self) -> None:
-        if sys.platform == "linux":  # (where a thread has a priority of its own)
+        if self._nice and sys.platform == "linux":  # (where a thread has a priority of its own)
             try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
             except OSError:
                 pass
         while True:
@@ -143,8 +144,15 @@ class Grammars:
             self._keep[i // 32] &= 0x7FFFFFFF if i % 32 == 31 else ~(1 << (i % 32))
         self._bitmask: torch.Tensor | None = None
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # by (kind, spec), compiling or done
+        # NOTE: compiles at the usual priority: a request waits COMPILE_TIMEOUT_S of wall time for its own (at the
+        # lowest, beside a forward that keeps the cores busy, a 0.5 s compile took over 30 s and was refused)
         self._compiles = _Worker.named("sluice-grammar")
-        self._masks = _Worker.named("sluice-grammar-mask")  # (never behind a compile, which can take minutes)
+        # a slow grammar's masks at the lowest priority: on a host whose cores the forward keeps busy (a CPU's), the
+        # mask thread took a core from it, and with it every request's step (a free stream beside a slow regex on two
+        # cores: 28 ms a token instead of 13, 0.2 s at worst); at the lowest it takes what the steps leave, so on a
+        # saturated host such a request crawls (its own cost, deferred), and on a GPU's it runs on an idle core.
+        # Never behind a compile, which can take minutes.
+        self._masks = _Worker.named("sluice-grammar-mask", MASK_NICE)
 
     def compile(self, so: StructuredOutput) -> Future:
         """The compiled grammar of `so` (`Compiled`), to come (on the compile thread) or kept from an earlier request;
@@ -229,8 +237,14 @@ class Grammars:
 
 
 def _timed(req: Request, seconds: float) -> None:
-    """`req`'s last mask took `seconds`. NOTE: one slow mask has all the next made ahead: a grammar's cost swings
-    from token to token (one of words and spaces is cheap inside a word, slow after it), and each slow one made in
-    the step stalls it."""
+    """`req`'s last mask took `seconds`. NOTE: one slow mask has the next made ahead until FAST_MASKS in a row were
+    fast: a grammar's cost swings from token to token (one of words and spaces is cheap inside a word, slow after
+    it), and each slow one made in the step stalls it; but a request whose masks are made ahead takes a step at most
+    every other one (its next mask starts once its token is committed), and a JSON schema's occasional slow mask
+    must not halve its speed for the rest of its answer."""
     req.mask_s = seconds
-    req.mask_slow = req.mask_slow or seconds >= SLOW_MASK_S
+    if seconds >= SLOW_MASK_S:
+        req.mask_slow, req.fast_masks = True, 0
+    elif req.mask_slow:
+        req.fast_masks += 1
+        req.mask_slow = req.fast_masks < FAST_MASKS

@@ -149,6 +149,9 @@ def test_a_slow_compile_holds_back_only_its_request(tiny_model_dir, monkeypatch)
     assert bad.finished and bad.error_param == "guided_regex" and "cannot compile" in bad.error
     assert len(seen) == 3 and not eng.requests
     eng.check_integrity()
+    if sys.platform == "linux":  # compiles at the process's priority (a request waits wall time for its own)
+        (thread,) = [t for t in threading.enumerate() if t.name == "sluice-grammar"]
+        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def test_a_compile_past_its_time_is_refused(tiny_model_dir, monkeypatch):
@@ -238,3 +241,73 @@ def test_a_mask_past_its_limit_fails_its_request(tiny_model_dir, monkeypatch):
     assert sum(len(o[0]) for o in got["r0"]) == 20
     assert got["r1"][-1][3] == "abort" and "guided_regex: too costly to follow" in got["r1"][-1][6]
     assert not eng.requests
+
+
+def test_a_finished_requests_queued_mask_is_never_made(tiny_model_dir, monkeypatch):
+    """An aborted request's next mask, still queued behind another's, is cancelled: the mask thread skips it and the
+    requests behind it do not wait for it."""
+    hold = threading.Event()
+    made = _masks_ahead(monkeypatch, hold)
+    eng = _engine(tiny_model_dir)
+    try:
+        for rid in ("first", "gone"):
+            eng.add_request(rid, PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0,
+                                                            structured_output=StructuredOutput("regex", REGEX)))
+        first = ""
+        while not all(eng.requests[r].mask is not None and not eng.requests[r].mask.done() for r in ("first", "gone")):
+            # (both sampled their first token: their next masks are queued, the first's held)
+            first += "".join(o.text_delta for o in eng.step() if o.request_id == "first")
+        gone = eng.requests["gone"].mask
+        eng.abort("gone")
+        assert gone.cancelled()
+    finally:
+        hold.set()
+    got = streams(eng, [], [])
+    assert [o[3] for o in got["gone"]] == ["abort"] and re.fullmatch(REGEX, first + "".join(o[1] for o in got["first"]))
+    # on the mask thread: the first's masks after its first token, none of the other's
+    assert made.count(made[-1]) == sum(len(o[0]) for o in got["first"])
+
+
+def test_a_request_waiting_for_its_mask_is_waited_for_not_spun_on(tiny_model_dir, monkeypatch):
+    """A request preempted while its mask is made waits outside `running`: a step with nothing to run waits a little
+    for that mask (not a busy loop), and the request comes back once it is ready."""
+    import engine.engine
+
+    hold = threading.Event()
+    _masks_ahead(monkeypatch, hold)
+    waited, wait = [], engine.engine.futures.wait
+    monkeypatch.setattr(engine.engine.futures, "wait", lambda fs, **kw: (waited.append(list(fs)), wait(fs, **kw))[1])
+    eng = _engine(tiny_model_dir)
+    try:
+        eng.add_request("s", PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0,
+                                                        structured_output=StructuredOutput("regex", REGEX)))
+        text = ""
+        while (req := eng.requests["s"]).mask is None or req.mask.done():
+            text += "".join(o.text_delta for o in eng.step())
+        eng.scheduler._preempt(req)  # (as an older request's growth would)
+        assert eng.step() == [] and waited and waited[-1] == [req.mask]
+    finally:
+        hold.set()
+    got = streams(eng, [], [])
+    assert re.fullmatch(REGEX, text + "".join(o[1] for o in got["s"])) and got["s"][-1][3] == "stop"
+
+
+def test_slow_masks_are_made_in_the_step_again_after_a_run_of_fast_ones():
+    """One slow mask sends a request's next masks off the step until FAST_MASKS in a row were fast again (a JSON
+    schema's odd slow mask must not halve its pace for good)."""
+    from types import SimpleNamespace
+
+    from engine.structured import FAST_MASKS, SLOW_MASK_S, _timed
+
+    req = SimpleNamespace(mask_s=0.0, mask_slow=False, fast_masks=0)
+    _timed(req, SLOW_MASK_S / 2)
+    assert not req.mask_slow
+    _timed(req, SLOW_MASK_S)
+    for _ in range(FAST_MASKS - 1):
+        _timed(req, SLOW_MASK_S / 2)
+        assert req.mask_slow
+    _timed(req, SLOW_MASK_S * 3)  # (a slow one starts the run again)
+    for _ in range(FAST_MASKS):
+        assert req.mask_slow
+        _timed(req, 0.0)
+    assert not req.mask_slow
