@@ -6,6 +6,7 @@ API, and the server runs a second on a tokenizer thread, so the engine thread on
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -100,13 +101,15 @@ class InputProcessor:
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         return a[:n]
 
-    def refuse_early(self, prompt: Messages | str | list[int], truncated: bool = False) -> None:
+    def refuse_early(self, prompt: Messages | str | list[int], truncated: bool = False,
+                     tools: list[dict[str, Any]] | None = None) -> None:
         """Raises `PromptTooLongError` for token ids that fill the context, or text whose lower bound on tokens
         fills EARLY_SLACK contexts; with `truncated` (only the prompt's last tokens are kept), token ids too only
         from EARLY_SLACK contexts on.
 
         O(messages), no tokenizer: characters / MAX_CHARS_PER_TOKEN, plus what the template adds per message
-        (28,000 one-character messages are refused here, not after a second of templating)."""
+        (28,000 one-character messages are refused here, not after a second of templating). A chat's `tools` and its
+        messages' tool calls count as their JSON's characters."""
         limit = EARLY_SLACK * self.max_model_len
         if isinstance(prompt, str):
             bound, what = math.ceil(len(prompt) / MAX_CHARS_PER_TOKEN), f"{len(prompt)} characters"
@@ -114,6 +117,9 @@ class InputProcessor:
             bound, what = (len(prompt) - 1) * self.tokens_per_message, f"{len(prompt)} messages"
             if bound < limit:  # NOTE: only then read the contents (a flood sends 28,000 messages)
                 chars = sum(len((m.get("content") if isinstance(m, dict) else m.content) or "") for m in prompt)
+                chars += sum(len(json.dumps(m["tool_calls"])) for m in prompt
+                             if isinstance(m, dict) and m.get("tool_calls"))
+                chars += len(json.dumps(tools)) if tools else 0
                 bound += math.ceil(chars / MAX_CHARS_PER_TOKEN)
                 what = f"{len(prompt)} messages of {chars} characters"
         else:

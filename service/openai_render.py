@@ -133,7 +133,8 @@ class ChatRender(_Base):
                                 include_usage)]
         return self._deltas(self.stream.feed(text), lps, include_usage)
 
-    def _deltas(self, deltas: list[dict[str, Any]], lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
+    def _deltas(self, deltas: list[dict[str, Any]], lps: list[TokenLogprobs],
+                include_usage: bool) -> list[dict[str, Any]]:
         """The tool parser's deltas as chunks, the logprobs of their tokens with the first (held back meanwhile)."""
         self.held += lps
         if not deltas:
@@ -149,8 +150,10 @@ class ChatRender(_Base):
         if self.stream is not None:
             chunks = self._deltas(self.stream.end(reason), [], include_usage)
             reason = openai_tools.finish_reason(self.tools, reason, self.stream.calls > 0)  # type: ignore[arg-type]
-        return chunks + [self._chunk([{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}],
-                                     include_usage)]
+        held, self.held = self.held, []  # (the end token's, say: no text of theirs to ride with)
+        return chunks + [self._chunk([{"index": self.index, "delta": {},
+                                       "logprobs": self._lp(held) if self.logprobs and held else None,
+                                       "finish_reason": reason}], include_usage)]
 
 
 class CompletionRender(_Base):

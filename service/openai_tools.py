@@ -26,6 +26,7 @@ from typing import Any, Literal
 from msgspec import Struct
 
 from engine import StructuredOutput
+from service import json_guard
 from service.openai_errors import HTTPError
 
 MAX_TOOLS = 128  # OpenAI's bound
@@ -113,13 +114,24 @@ def plan(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None, pa
         if tool is None:
             raise HTTPError(400, f"tool_choice names {choice.function.name!r}, which is not one of the tools",
                             param="tool_choice")
-        schema = tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
-        return ToolPlan("named", tool.function.name, listed, _held(schema), parallel=parallel)
+        return ToolPlan("named", tool.function.name, listed, _held(_parameters(tool)), parallel=parallel)
     if choice == "required":
-        call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                   "parameters": t.function.parameters or {"type": "object"}},
-                 "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}, **({} if parallel else {"maxItems": 1})}
+        # NOTE: each tool's definitions ($defs: pydantic's nested models and enums) move to the list's root, where
+        # their references (#/$defs/...) point from inside it
+        defs: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
+        call = []
+        for t in tools:
+            params = dict(_parameters(t))
+            for key, merged in defs.items():
+                for name, d in (params.pop(key, None) or {}).items():
+                    if merged.setdefault(name, d) != d:
+                        raise HTTPError(400, f"tools define {key}.{name} differently; give their definitions distinct "
+                                             "names", param="tools")
+            call.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                          "parameters": params},
+                         "required": ["name", "parameters"], "additionalProperties": False})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}, **({} if parallel else {"maxItems": 1}),
+                  **{k: v for k, v in defs.items() if v}}
         return ToolPlan("required", None, listed, _held(schema), parallel=parallel)
     if choice == "auto":
         if parser is None:
@@ -133,6 +145,11 @@ def plan(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None, pa
                     param="tool_choice")
 
 
+def _parameters(tool: Tool) -> dict[str, Any]:
+    """A function's parameters' schema: none given (or `{}`) is an object with any properties, as OpenAI takes it."""
+    return tool.function.parameters or {"type": "object"}
+
+
 def _held(schema: dict[str, Any]) -> StructuredOutput:
     return StructuredOutput("json", json.dumps(schema), "tool_choice")
 
@@ -142,10 +159,10 @@ def template_messages(messages: list[Any]) -> None:
     transformers and vLLM give it); a 400 naming the call whose arguments are not a JSON object."""
     for i, m in enumerate(messages):
         for j, call in enumerate(m.get("tool_calls") or ()):
-            try:
-                args = json.loads(call["function"]["arguments"] or "{}")
-            except ValueError:
-                args = None
+            if call["type"] != "function":
+                raise HTTPError(400, f"messages[{i}].tool_calls[{j}].type must be 'function', got {call['type']!r}",
+                                param=f"messages[{i}].tool_calls[{j}].type")
+            args = _json(call["function"]["arguments"] or "{}")
             if not isinstance(args, dict):
                 raise HTTPError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object's text",
                                 param=f"messages[{i}].tool_calls[{j}].function.arguments")
@@ -160,29 +177,31 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def _json(text: str) -> Any:
+    """`text` as JSON; None if it is not, or nests deeper than a request body may (the body's guard does not look
+    inside its strings, nor at what the model writes)."""
+    if json_guard.depth_error(text) is not None:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _calls_of_list(text: str) -> list[dict[str, Any]] | None:
     """`required`'s answer (a JSON list of {"name", "parameters"}) as calls; None if it is not one (cut short)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
+    items = _json(text)
     if not isinstance(items, list) or not all(isinstance(x, dict) and "name" in x for x in items):
         return None
     return [_call(x["name"], json.dumps(x.get("parameters", {}), ensure_ascii=False)) for x in items]
 
 
 def _hermes_call(body: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+    obj = _json(body)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return _call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 def answer(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -192,12 +211,14 @@ def answer(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     if p.mode == "required":
         calls = _calls_of_list(text)
         return (text, []) if calls is None else (None, calls)
-    if p.mode == "auto":
-        calls = [_hermes_call(m.group(1)) for m in _HERMES.finditer(text)]
-        if not calls or None in calls:  # (no call, or one that is not JSON: the text as it is, as vLLM's)
+    if p.mode == "auto":  # (as streamed: a block that is not a call stays in the text)
+        stream = ToolStream(p)
+        deltas = stream.feed(text) + stream.end("stop")
+        calls = [c for d in deltas for c in d.get("tool_calls", ())]
+        content = "".join(d.get("content", "") for d in deltas)
+        if not calls:
             return text, []
-        content = _HERMES.sub("", text).strip()
-        return content or None, calls  # type: ignore[return-value]
+        return content.strip() or None, [{k: v for k, v in c.items() if k != "index"} for c in calls]
     return text, []
 
 

@@ -45,6 +45,36 @@ def _tools(*names: str) -> list[Tool]:
     return msgspec.convert([t for t in TOOLS if not names or t["function"]["name"] in names], list[Tool])
 
 
+def test_required_moves_each_tools_definitions_to_the_root() -> None:
+    """Pydantic's schemas (`openai.pydantic_function_tool`) reference nested models and enums in `$defs`: under
+    `required` each tool's move to the list's root, where the references point; two tools that define one name
+    differently are refused."""
+    unit = {"enum": ["C", "F"]}
+    tools = msgspec.convert([{"type": "function", "function": {"name": "t", "parameters": {
+        "type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
+        "$defs": {"Unit": unit}}}}, {"type": "function", "function": {"name": "u", "parameters": {
+            "type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": unit}}}}], list[Tool])
+    schema = json.loads(plan(tools, "required", None, None).structured_output.spec)
+    assert schema["$defs"] == {"Unit": unit}
+    jsonschema.validate([{"name": "t", "parameters": {"unit": "F"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "t", "parameters": {"unit": "K"}}], schema)
+    tools[1].function.parameters["$defs"] = {"Unit": {"enum": ["K"]}}
+    with pytest.raises(HTTPError) as e:
+        plan(tools, "required", None, None)
+    assert e.value.param == "tools"
+
+
+def test_earlier_calls_arguments_must_be_a_json_object() -> None:
+    from service.openai_tools import template_messages
+
+    for args in ("[1]", "{nope", "[" * 5000 + "]" * 5000):  # (the last nests deeper than a body may: not a 500)
+        with pytest.raises(HTTPError) as e:
+            template_messages([{"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]}])
+        assert e.value.param == "messages[0].tool_calls[0].function.arguments"
+
+
 def test_the_plan_of_each_choice() -> None:
     assert plan(None, None, None, None).mode == "none"
     named = plan(_tools(), msgspec.convert({"type": "function", "function": {"name": "get_time"}}, NamedToolChoice),
@@ -73,6 +103,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit
 @pytest.mark.parametrize("text", [
     CALL, "Let me look. " + CALL, CALL + CALL.replace("Rome", "Oslo"), "no call at all <tool", "<tool_call>{nope}</tool_call>",
     '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}',  # cut off before its end tag
+    CALL + " <tool_call>{oops}</tool_call>", CALL + "<tool_call>",  # a good call, then one that is not
+    "<tool_call>" + "[" * 990,  # (deeper than a body may nest: text, not a RecursionError)
 ])
 def test_hermes_streamed_anyhow_gives_the_whole_answer(text: str) -> None:
     """The hermes parser fed the answer one character at a time, or in pieces that split the tags, sends the content
@@ -88,7 +120,8 @@ def test_hermes_streamed_anyhow_gives_the_whole_answer(text: str) -> None:
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == [
             (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls], (size, deltas)
         if calls:
-            assert streamed.strip() == (content or "") and "<tool_call>" not in streamed
+            assert streamed.strip() == (content or "")  # (a good call's tags never: a bad block's stay as text)
+            assert (content or "").count("<tool_call>") == text.count("<tool_call>") - len(calls)
         else:
             assert streamed == text == content
 
@@ -140,6 +173,11 @@ def test_a_named_function_is_called(client: openai.OpenAI) -> None:
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     assert _streamed(client, **kw) == (None, [("get_weather", call.function.arguments)], "stop")
+    # logprobs: every token's, streamed too (the end token's has no text to ride with: it comes with the finish)
+    whole = client.chat.completions.create(**kw, logprobs=True).choices[0].logprobs.content
+    streamed = [e for c in client.chat.completions.create(**kw, logprobs=True, stream=True)
+                for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    assert [e.token for e in streamed] == [e.token for e in whole] and len(whole) == r.usage.completion_tokens
 
 
 def test_required_calls_one_of_the_tools(client: openai.OpenAI) -> None:
@@ -189,6 +227,10 @@ def test_tools_and_earlier_calls_reach_the_template(server, client: openai.OpenA
     assert prompt_tokens(messages=MESSAGES, tools=TOOLS, tool_choice="none") > plain + 40  # (the tools' JSON)
     assert prompt_tokens(messages=turn) > plain + 20
     with httpx.Client(base_url=server.url, timeout=60) as http:
+        # tools count toward the cheap bound on a prompt's size, checked before any templating
+        r = http.post("/v1/chat/completions", json={"model": "tools-model", "messages": MESSAGES, "tools": [
+            {"type": "function", "function": {"name": "f", "description": "x" * 70_000}}], "tool_choice": "none"})
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
         for extra, param in (({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
                                "tool_choice"),  # (two things holding the answer)
                               ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
