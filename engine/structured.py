@@ -49,14 +49,17 @@ MASK_LIMIT_S = 5.0  # a request whose mask took this long fails: its grammar is 
 MASK_NICE = 19  # the mask thread's priority: a slow grammar's work yields to the step's
 FAST_MASKS = 8  # a slow request whose masks took under SLOW_MASK_S this many times in a row has them made in the step
 
-Kind = Literal["json", "json_object", "regex", "choice"]
-KINDS = ("json", "json_object", "regex", "choice")
+Kind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's text must be: `json` (a JSON schema, as JSON text, in `spec`), `json_object` (any JSON
-    object), `regex` (`spec` a regular expression), `choice` (`spec` a JSON list of the strings allowed). `param`
+    object), `regex` (`spec` a regular expression), `choice` (`spec` a JSON list of the strings allowed), `grammar`
+    (`spec` a context-free grammar: EBNF as xgrammar and llama.cpp's GBNF write it, `root ::= ...`, or Lark's, `start:
+    ...`), `structural_tag` (`spec` xgrammar's structural tag as JSON text, `{"type": "structural_tag", "format":
+    {...}}`: tagged parts held to formats, e.g. JSON of a schema between `<function=f>` and `</function>`). `param`
     names the request field it came from, for errors (`response_format`, vLLM's `guided_json`, ...)."""
 
     kind: Kind
@@ -210,6 +213,11 @@ class Grammars:
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if so.kind == "regex":
                 return self.compiler.compile_regex(so.spec)
+            if so.kind == "grammar":  # (EBNF's rules are written `::=`, Lark's `:`)
+                return (self.compiler.compile_grammar(so.spec) if "::=" in so.spec else
+                        self.compiler.compile_lark(so.spec))
+            if so.kind == "structural_tag":
+                return self.compiler.compile_structural_tag(so.spec)
             options = json.loads(so.spec)
             return self.compiler.compile_grammar(
                 "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))

@@ -74,9 +74,9 @@ class CommonRequest(Struct):
     guided_regex: Any = None
     guided_choice: Any = None
     structured_outputs: Any = None
-    # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
     guided_grammar: Any = None
     structural_tag: Any = None
+    # not implemented, and each would change the output: refused by `refuse_unsupported`, never ignored
     use_beam_search: Any = None
     length_penalty: Any = None
     skip_special_tokens: Any = None
@@ -107,6 +107,7 @@ class CommonRequest(Struct):
         try:
             so = structured_output(response_format=self.response_format, guided_json=self.guided_json,
                                    guided_regex=self.guided_regex, guided_choice=self.guided_choice,
+                                   guided_grammar=self.guided_grammar, structural_tag=self.structural_tag,
                                    structured_outputs=self.structured_outputs)
         except InvalidSamplingParam as e:
             raise HTTPError(400, str(e), param=e.param, code="invalid_message") from None
@@ -149,10 +150,8 @@ class CompletionRequest(CommonRequest):
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": (([],), "give them as `tools`"),
     "function_call": (("none",), "give `tool_choice`, with `tools`"),
-    "guided_grammar": ((), "no guided decoding"),
     "audio": ((), "text output only"),
     "modalities": ((["text"],), "text output only"),
-    "structural_tag": ((), "no structured output"),
     "use_beam_search": ((False,), "no beam search"),
     "length_penalty": ((1, 1.0), "no beam search"),
     "skip_special_tokens": ((True,), "special tokens are never in the text"),

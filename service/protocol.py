@@ -42,12 +42,16 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "repetition_penalty", "seed", "stop", "ignore_eos", "min_tokens")
 
 
+_STRUCTURED = ("json", "regex", "choice", "json_object", "grammar", "structural_tag")
+
+
 def structured_output(**given: Any) -> StructuredOutput | None:
     """What a request's structured-output fields ask for (engine/structured.py), from whichever one is set:
-    OpenAI's `response_format` (`{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}`),
-    vLLM's `guided_json` (a schema, or its JSON text), `guided_regex`, `guided_choice` (strings) or
-    `structured_outputs` (`{"json" | "regex" | "choice" | "json_object": ...}`). Raises `InvalidSamplingParam`
-    naming the field at fault; more than one set is refused."""
+    OpenAI's `response_format` (`{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}`,
+    or `{"type": "structural_tag", ...}`), vLLM's `guided_json` (a schema, or its JSON text), `guided_regex`,
+    `guided_choice` (strings), `guided_grammar` (EBNF or Lark), `structural_tag` (its JSON text) or
+    `structured_outputs` (`{"json" | "regex" | "choice" | "json_object" | "grammar" | "structural_tag": ...}`).
+    Raises `InvalidSamplingParam` naming the field at fault; more than one set is refused."""
     given = {k: v for k, v in given.items() if v is not None and not (k == "response_format" and v == {"type": "text"})}
     if not given:
         return None
@@ -56,17 +60,18 @@ def structured_output(**given: Any) -> StructuredOutput | None:
         raise InvalidSamplingParam(name, f"{name}: only one of {', '.join(sorted(given))} may be given")
     (name, value), = given.items()
     if name == "structured_outputs":
-        if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in ("json", "regex", "choice",
-                                                                                         "json_object"):
-            raise InvalidSamplingParam(name, f"{name} must hold one of json, regex, choice or json_object")
+        if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in _STRUCTURED:
+            raise InvalidSamplingParam(name, f"{name} must hold one of {', '.join(_STRUCTURED)}")
         (key, value), = value.items()
         name, kind = f"{name}.{key}", key
     elif name == "response_format":
-        if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-            raise InvalidSamplingParam(name, f'{name}.type must be "text", "json_object" or "json_schema"')
+        if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema",
+                                                                    "structural_tag"):
+            raise InvalidSamplingParam(name, f'{name}.type must be "text", "json_object", "json_schema" or '
+                                             '"structural_tag"')
         if value["type"] == "text":
             return None
-        kind = "json_object" if value["type"] == "json_object" else "json"
+        kind = {"json_object": "json_object", "json_schema": "json"}.get(value["type"], "structural_tag")
         if kind == "json":
             spec = value.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
@@ -74,7 +79,8 @@ def structured_output(**given: Any) -> StructuredOutput | None:
             value = spec.get("schema")
             kind = "json" if value is not None else "json_object"
     else:
-        kind = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}[name]
+        kind = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+                "structural_tag": "structural_tag"}[name]
     if kind == "json_object":
         if value not in (True, None) and name.startswith("structured_outputs"):
             raise InvalidSamplingParam(name, f"{name} must be true")
@@ -94,9 +100,40 @@ def structured_output(**given: Any) -> StructuredOutput | None:
         if not isinstance(value, str) or not value:
             raise InvalidSamplingParam(name, f"{name} must be a non-empty regular expression")
         return StructuredOutput("regex", value, name)
+    if kind == "grammar":
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidSamplingParam(name, f"{name} must be a grammar: EBNF (root ::= ...) or Lark (start: ...)")
+        return StructuredOutput("grammar", value, name)
+    if kind == "structural_tag":
+        return StructuredOutput("structural_tag", json.dumps(_structural_tag(name, value)), name)
     if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
         raise InvalidSamplingParam(name, f"{name} must be a non-empty list of non-empty strings")
     return StructuredOutput.choice(value, name)
+
+
+def _structural_tag(name: str, value: Any) -> dict[str, Any]:
+    """xgrammar's structural tag (`{"type": "structural_tag", "format": {...}}`) from its own form or vLLM's older
+    one (`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`: text in which each part that begins with a
+    trigger is one of the structures, its JSON of the schema between begin and end), as an object or its JSON text."""
+    if isinstance(value, str):
+        if (too_deep := json_guard.depth_error(value)) is not None:
+            raise InvalidSamplingParam(name, f"{name}: {too_deep}")
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            value = None
+    if isinstance(value, dict) and "format" in value:
+        return {**value, "type": "structural_tag"}
+    structures, triggers = (value.get("structures"), value.get("triggers")) if isinstance(value, dict) else (0, 0)
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list) and triggers
+            and all(isinstance(t, str) and t for t in triggers)
+            and all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                    and isinstance(s.get("schema", {}), (dict, bool)) for s in structures)):
+        raise InvalidSamplingParam(name, f'{name} must be a structural tag: {{"format": {{...}}}}, or {{"structures": '
+                                         f'[{{"begin", "schema", "end"}}], "triggers": [...]}}')
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": [
+        {"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s.get("schema", {})},
+         "end": s["end"]} for s in structures]}}
 
 
 class _In(Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):

@@ -311,3 +311,24 @@ def test_slow_masks_are_made_in_the_step_again_after_a_run_of_fast_ones():
         assert req.mask_slow
         _timed(req, 0.0)
     assert not req.mask_slow
+
+
+@pytest.mark.parametrize("so, pattern", [
+    (StructuredOutput("grammar", 'root ::= ("red" | "blue") "-" [0-9] [0-9]?', "guided_grammar"),
+     r"(red|blue)-[0-9]{1,2}"),
+    (StructuredOutput("grammar", 'start: COLOR "-" DIGIT\nCOLOR: "red" | "blue"\nDIGIT: /[0-9]/', "guided_grammar"),
+     r"(red|blue)-[0-9]"),  # (Lark's)
+    (StructuredOutput("structural_tag", json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<n>", "end": "</n>", "content": {"type": "regex", "pattern": "[0-9]{2}"}}})),
+     r"<n>[0-9]{2}</n>"),
+])
+def test_grammars_and_structural_tags(tiny_model_dir, so, pattern):
+    """vLLM's guided_grammar (EBNF as xgrammar and GBNF write it, or Lark) and xgrammar's structural tags hold the
+    text as the other kinds do; one that cannot be compiled is refused naming its field."""
+    eng = _engine(tiny_model_dir)
+    (out,) = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=40, temperature=1.0, seed=7, structured_output=so))
+    assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop", out.text
+    with pytest.raises(InvalidSamplingParam, match="cannot compile") as e:
+        eng.add_request("bad", [5, 6], SamplingParams(structured_output=StructuredOutput("grammar", "root ::= ((",
+                                                                                         "guided_grammar")))
+    assert e.value.param == "guided_grammar"

@@ -264,7 +264,7 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
      "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "unsupported_parameter", "functions"),
     ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "invalid_message", "response_format"),
-    ("/v1/chat/completions", {"guided_grammar": "root ::= \"x\""}, "unsupported_parameter", "guided_grammar"),
+    ("/v1/chat/completions", {"guided_grammar": "root ::= x"}, "invalid_message", "guided_grammar"),  # (x: no rule)
     ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "invalid_message", "logit_bias"),  # not in the vocabulary
     ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "invalid_message", "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"five": 1}}, "invalid_message", "logit_bias"),

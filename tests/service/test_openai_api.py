@@ -103,8 +103,7 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
                                                  "stream": None, "echo": None, "logprobs": None})):
             r = http.post(route, json=body)
             assert r.status_code == 200, r.text
-        for name, value in (("guided_grammar", "root ::= \"x\""),
-                            ("use_beam_search", True), ("prompt_logprobs", 1), ("chat_template", "{{ x }}")):
+        for name, value in (("use_beam_search", True), ("prompt_logprobs", 1), ("chat_template", "{{ x }}")):
             r = http.post("/v1/chat/completions", json={**chat, name: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
             assert r.json()["error"]["code"] == "unsupported_parameter"
@@ -320,6 +319,16 @@ def test_structured_output(main_server: Server, client: openai.OpenAI, model: st
     chunks = list(client.completions.create(model=model, prompt="Call", max_tokens=30, seed=2, stream=True,
                                             extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}))
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", "".join(c.choices[0].text for c in chunks))
+    # vLLM's guided_grammar (EBNF, GBNF's dialect) and OpenAI's structural tag (a JSON object between its tags)
+    r = client.completions.create(model=model, prompt="Answer", max_tokens=30, seed=3, extra_body={
+        "guided_grammar": 'root ::= ("yes" | "no") " " [0-9] [0-9]?'})
+    assert re.fullmatch("(yes|no) [0-9][0-9]?", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=100, seed=4, response_format={
+        "type": "structural_tag", "format": {"type": "tag", "begin": "<answer>", "end": "</answer>", "content": {
+            "type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}}})  # (the random model loops on it)
+    text = r.choices[0].message.content
+    assert text.startswith("<answer>") and text.endswith("</answer>") and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text[len("<answer>"):-len("</answer>")]), schema)
     chat = {"model": model, "messages": MESSAGES, "max_tokens": 4}
     with httpx.Client(base_url=main_server.url, timeout=60) as http:
         for extra, param in (({"response_format": {"type": "xml"}}, "response_format"),
@@ -330,7 +339,10 @@ def test_structured_output(main_server: Server, client: openai.OpenAI, model: st
                              ({"guided_regex": "[a-"}, "guided_regex"),  # (the engine's compiler refuses it)
                              ({"guided_choice": []}, "guided_choice"),
                              ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex"),  # two at once
-                             ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+                             ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+                             ({"structured_outputs": {"yaml": "a: 1"}}, "structured_outputs"),
+                             ({"guided_grammar": "root ::= (("}, "guided_grammar"),
+                             ({"structural_tag": '{"structures": []}'}, "structural_tag"),
                              ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "response_format")):
             r = http.post("/v1/chat/completions", json={**chat, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)

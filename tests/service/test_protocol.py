@@ -104,3 +104,30 @@ def test_server_messages_encode_as_in_protocol() -> None:
         "type": "error", "id": None, "code": "unknown_id", "message": "no such chat"}
     assert isinstance(encode(done), str)  # text frames
     assert msgspec.json.decode(encode(done).encode())["type"] == "done"
+
+
+def test_structured_output_fields() -> None:
+    """Each structured-output field to its kind; vLLM's older structural tag (structures and triggers) to xgrammar's
+    triggered tags; a wrong shape refused naming its field."""
+    import pytest
+
+    from engine import InvalidSamplingParam
+    from service.protocol import structured_output
+
+    assert structured_output(guided_grammar="root ::= \"a\"").kind == "grammar"
+    assert structured_output(structured_outputs={"grammar": "start: \"a\""}).param == "structured_outputs.grammar"
+    legacy = {"structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f="]}
+    for given in (legacy, json.dumps(legacy)):
+        so = structured_output(structural_tag=given)
+        assert (so.kind, so.param) == ("structural_tag", "structural_tag")
+        assert json.loads(so.spec) == {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ["<f="], "tags": [{"type": "tag", "begin": "<f=a>", "end": "</f>",
+                                                                      "content": {"type": "json_schema",
+                                                                                  "json_schema": {"type": "object"}}}]}}
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
+    assert json.loads(structured_output(response_format=tag).spec) == tag
+    for field, value in (("structural_tag", {"structures": [], "triggers": ["<"]}), ("structural_tag", "{nope"),
+                         ("guided_grammar", " "), ("response_format", {"type": "yaml"})):
+        with pytest.raises(InvalidSamplingParam) as e:
+            structured_output(**{field: value})
+        assert e.value.param == field
