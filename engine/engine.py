@@ -748,6 +748,9 @@ class LLMEngine:
             req.detok.flush()
         out = self._output(req, e.token_ids, req.detok.delta(e.reason is not None), e.reason, e.logprobs or None)
         out.finished, out.finish_reason = e.reason is not None, e.reason  # as of its step (it may have ended since)
+        if req.wants_prompt_logprobs:  # (its first token's output: every prompt chunk is computed)
+            out.prompt_logprobs, req.prompt_lps_sent = req.prompt_lps, True
+            out.prompt_token_ids = req.token_ids[: req.num_prompt_tokens]
         out.rng_state = e.rng_state
         return out
 
@@ -829,6 +832,8 @@ class LLMEngine:
                 if o.logprobs:
                     c.logprobs = c.logprobs or []
                     c.logprobs += o.logprobs
+                if o.prompt_logprobs is not None:
+                    c.prompt_logprobs = o.prompt_logprobs
                 if o.finished:
                     c.finish_reason = o.finish_reason or "abort"
                     pending.discard(o.request_id)
@@ -948,6 +953,7 @@ def _resume(req: Request, ckpt: Checkpoint) -> None:
     if ckpt.rng_state is not None and req.generator is not None:
         req.generator.set_state(ckpt.rng_state)
     req.announced = bool(out)  # its caller saw it start (else the new engine announces it, as a new request)
+    req.prompt_lps_sent = bool(out)  # (its first token's output carried its prompt's logprobs)
 
 
 def _replay_grammar(req: Request, grammars: Grammars) -> None:

@@ -19,7 +19,7 @@ from engine.cuda_graphs import StepGraphs
 from engine.layout import Layout
 from engine.models import LlamaModel
 from engine.models.llama import AttentionMetadata
-from engine.request import Request, TokenLogprob
+from engine.request import PromptLogprob, Request, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import Batch
 from engine.step_inputs import StepInputs
@@ -109,9 +109,10 @@ class ModelRunner:
                         for r, s, n in zip(batch.reqs, starts, batch.num_new_tokens)]
 
     def _metadata(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], rows: list[int],
-                  extra: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+                  extra: list[int], prompt_rows: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, AttentionMetadata]:
         """Metadata on the device for computing `tokens[i]` of `reqs[i]` at positions from `starts[i]`; the last
-        token of each sequence in `rows` reaches the LM head, with the `extra[j]` tokens before it (a draft's)."""
+        token of each sequence in `rows` reaches the LM head, with the `extra[j]` tokens before it (a draft's), and
+        after them, for each (i, k) of `prompt_rows`, the first k tokens of sequence i (prompt logprobs)."""
         buf = self._claim_inputs()
         cu = buf.fill(reqs, starts, tokens, self.block_size)
         B, T, dev = len(reqs), int(cu[-1]), self.device
@@ -121,7 +122,8 @@ class ModelRunner:
             block_tables=buf.block_tables.to(dev, non_blocking=True),
             cu_seqlens_q=buf.cu_seqlens_q[: B + 1].to(dev, non_blocking=True),
             seq_lens=buf.seq_lens[:B].to(dev, non_blocking=True),
-            logits_indices=torch.from_numpy(_logits_indices(cu[1:][rows] - 1, extra)).to(dev),
+            logits_indices=torch.from_numpy(np.concatenate([_logits_indices(cu[1:][rows] - 1, extra), *(
+                np.arange(cu[i], cu[i] + k) for i, k in prompt_rows)])).to(dev),
         )
         input_ids = buf.input_ids[:T].to(dev, non_blocking=True)
         buf.copied()
@@ -244,21 +246,30 @@ class ModelRunner:
             dst = torch.from_numpy(np.cumsum(batch.num_new_tokens)[list(placeholders)] - 1).to(self.device)
         starts, new = self._tokens(batch)
         extra = [len(batch.reqs[i].draft) for i in rows]  # each sampled row's draft: its positions are verified too
-        if self.graphed(batch, samples):
+        prompt = _prompt_rows(batch, starts)
+        if self.graphed(batch, samples) and not prompt:
             buf = self._claim_inputs()
             cu = buf.fill(batch.reqs, starts, new, self.block_size)
             indices = _logits_indices(cu[1:][rows] - 1, extra)
             return self.graphs.stage(buf, cu, indices, None if tokens is None else (dst, tokens))
         if not rows:  # (so no draft either: a drafting request samples)
             rows, extra = [0], [0]
-        input_ids, meta = self._metadata(batch.reqs, starts, new, rows, extra)
+        input_ids, meta = self._metadata(batch.reqs, starts, new, rows, extra, [(i, k) for i, k, _ in prompt])
         if self.workers is not None:
             self.workers.step(input_ids, meta)
+        sampled_rows = len(rows) + sum(extra)
+        # each prompt row's request, the position its logits predict and that position's token
+        targets = [(batch.reqs[i], p + 1, batch.reqs[i].token_ids[p + 1])
+                   for i, k, first in prompt for p in range(first, first + k)]
 
         def forward() -> torch.Tensor:
             if tokens is not None:
                 input_ids[dst] = tokens()
-            return self.model.forward(input_ids, meta, self.kv_caches)
+            logits = self.model.forward(input_ids, meta, self.kv_caches)
+            if targets:
+                _prompt_logprobs(logits[sampled_rows:], targets)
+                logits = logits[:sampled_rows]
+            return logits
 
         return forward
 
@@ -280,6 +291,27 @@ class ModelRunner:
         has room for its logits rows (one per sampled sequence and per draft token it verifies: those may not fit)?"""
         key = None if self.graphs is None else self.graphs.bucket(sum(batch.num_new_tokens), len(batch))
         return key is not None and sum(1 + len(r.draft) for r, s in zip(batch.reqs, samples) if s) <= key[1]
+
+
+def _prompt_rows(batch: Batch, starts: list[int]) -> list[tuple[int, int, int]]:
+    """(row, k, first position) for each request of `batch` whose prompt's logprobs are wanted, k the positions of its
+    chunk whose next token is a prompt token (the prompt's last position predicts the first new token: sampled)."""
+    return [(i, k, s) for i, (r, s, n) in enumerate(zip(batch.reqs, starts, batch.num_new_tokens))
+            if r.wants_prompt_logprobs and (k := min(s + n, r.num_prompt_tokens - 1) - s) > 0]
+
+
+def _prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int, int]]) -> None:
+    """Each prompt row's logprobs (raw, as the model gives them) into its request's `prompt_lps`, by position."""
+    lp = logits.float().log_softmax(-1)
+    ids = torch.tensor([t for _, _, t in targets], device=lp.device)
+    chosen = lp.gather(1, ids[:, None])
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    k = max(r.params.prompt_logprobs for r, _, _ in targets)
+    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen[:, 0].tolist()
+    for j, (r, pos, token) in enumerate(targets):
+        n = r.params.prompt_logprobs
+        r.prompt_lps[pos] = PromptLogprob(token, chosen[j], ranks[j], list(zip(top_i[j][:n], top_v[j][:n])))
 
 
 def _logits_indices(last: np.ndarray, drafts: list[int]) -> np.ndarray:

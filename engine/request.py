@@ -49,6 +49,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
+    # (vLLM's) the prompt's tokens' logprobs too (the model's, raw), with this many top alternatives each: the prompt is
+    # computed whole (no prefix-cache hits), in chunks of at most PROMPT_LOGPROBS_CHUNK tokens under `mixed`
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False  # the text ends after a matched stop string instead of before it
     # (vLLM's) the first min_tokens tokens never end the request: EOS (even with ignore_eos) and stop_token_ids cannot
     # be sampled while fewer have been generated, and stop strings are looked for only in the text of later tokens
@@ -96,6 +99,8 @@ class SamplingParams:
         need(allowed is None or isinstance(allowed, list) and bool(allowed) and all(map(token_id, allowed)),
              "allowed_token_ids", "must be a non-empty list of token ids (>= 0)")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
+        need(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             f"must be in [0, 20], got {self.prompt_logprobs}")
         if self.top_k == -1:
             self.top_k = 0
         if self.temperature < SAMPLING_EPS:  # (as vLLM) dividing by it would overflow the logits: greedy is its limit
@@ -128,6 +133,16 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]  # the `logprobs` most likely tokens, best first
 
 
+class PromptLogprob(NamedTuple):
+    """A prompt token's logprob under the model given the tokens before it, its rank among the vocabulary (1: the
+    likeliest), and the `prompt_logprobs` most likely tokens there."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 PLACEHOLDER = -1  # a token id a running step samples (async scheduling): replaced before anything reads its value
 
 
@@ -140,6 +155,11 @@ class Request:
         self.max_tokens = max_tokens  # params.max_tokens resolved against the context the prompt leaves
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # params.prompt_logprobs: each prompt token's (the first has none), written by the runner as chunks compute
+        # them (by position: a step run again writes the same), sent with the request's first token
+        self.prompt_lps: list[PromptLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None] * len(prompt_token_ids))
+        self.prompt_lps_sent = False
         # KV bookkeeping, written by the BlockManager only
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
@@ -187,6 +207,12 @@ class Request:
         self.spec_cooldown = 0  # steps left before proposing again
         self.num_draft_computed = 0  # tokens with the draft model's KV (draft:DIR), written by the block manager and engine
         self.spec_tokens = None  # prompt lookup's copy of token_ids as an array (engine/spec.py `_Tokens`)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are still to be computed and sent: its prompt is computed whole, not taken from the
+        prefix cache."""
+        return self.prompt_lps is not None and not self.prompt_lps_sent
 
     @property
     def waits_for_mask(self) -> bool:
@@ -262,6 +288,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # with its first token: its prompt's (the first: None)
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the prompt's tokens
     rng_state: Any = None  # with a new token of a seeded request: its generator's state after it (for `Checkpoint`)
     error: str | None = None  # finished ("abort") because the engine failed it, outside the model: why
     error_param: str | None = None  # with `error`: the request's field at fault (refused, not failed)
@@ -278,3 +306,4 @@ class CompletionOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, PrefixHits
 from engine.config import EngineConfig
 from engine.pressure import PressureLadder
 from engine.request import Request, Status
@@ -207,7 +207,7 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or not req.is_prefilling:
                 continue  # preempted meanwhile, or decoding
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.chunk_limit)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_limit(self.config, req))
             if self._allocate_or_preempt(req, n, batch):
                 batch.add(req, n)
                 budget -= n
@@ -240,12 +240,15 @@ class Scheduler:
                 break  # preempted while its token was being sampled (async scheduling): back once it is known
             if req.matcher is not None and req.waits_for_mask:
                 continue  # preempted while its grammar's next mask is being made: back once it is ready
+            # (its prompt's logprobs need every prompt token computed: nothing from the cache)
             cached = self.bm.match_prefix(req)
+            if req.wants_prompt_logprobs:
+                cached = PrefixHits()
             if computing and len(cached) < min(len(req.block_hashes), (req.num_tokens - 1) // bs) \
                     and req.block_hashes[len(cached)] in computing:
                 continue  # its next block is another prompt's in this step: cached next step (those behind go on)
             remaining = req.num_tokens - len(cached) * bs
-            n = min(remaining, budget, cfg.chunk_limit) if chunked else remaining
+            n = min(remaining, budget, _chunk_limit(cfg, req)) if chunked else remaining
             if chunked and n < remaining and partial >= cfg.max_num_partial_prefills:
                 break  # (first come, first served: no later prompt goes ahead of it)
             if n > budget:
@@ -337,3 +340,11 @@ class Scheduler:
             req.mask.cancel()  # (its grammar's next mask, if still queued: never made, others' go first)
         if not self.has_unfinished():
             self.pressure.settle()
+
+
+PROMPT_LOGPROBS_CHUNK = 256  # prompt tokens a chunk of a request with prompt logprobs computes: a row of logits each
+
+
+def _chunk_limit(config: EngineConfig, req: Request) -> int:
+    """The most tokens of `req`'s prompt one chunk computes (a chunk with prompt logprobs: the logits of each)."""
+    return min(config.chunk_limit, PROMPT_LOGPROBS_CHUNK) if req.wants_prompt_logprobs else config.chunk_limit

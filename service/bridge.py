@@ -305,6 +305,8 @@ class EngineBridge:
                         gaps.append(now - handle.last_token_at)
                     handle.last_token_at = now
                 handle.push(d.text, d.num_new_tokens, d.logprobs)
+                if d.prompt_logprobs is not None:
+                    handle.prompt_logprobs = d.prompt_logprobs
                 if d.finish_reason is not None:
                     notify.pop(d.request_id, None)
                     self._finish(handle, d.finish_reason, None)

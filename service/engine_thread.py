@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from engine import Checkpoint, DeviceError, LLMEngine, PromptTooLongError, RequestOutput, SamplingParams, StepError
 from engine.processor import InputProcessor
-from service.handle import TokenLogprobs
+from service.handle import PromptLogprobs, TokenLogprobs
 from service.protocol import ErrorCode
 
 log = logging.getLogger("sluice.engine_thread")
@@ -69,6 +69,9 @@ class Delivery:
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None
     rng_state: Any  # a seeded request's generator state after its new token (for its `Checkpoint`), else None
+    # with its first token, if it asked: every prompt token's (id, name, bytes, logprob, rank, top), the first's
+    # logprob and rank None
+    prompt_logprobs: list[PromptLogprobs] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -349,5 +352,11 @@ def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:
         tt = engine.token_text
         lps = [(lp.token_id, tt.name(lp.token_id), tt.bytes(lp.token_id), lp.logprob,
                 [(t, tt.name(t), tt.bytes(t), v) for t, v in lp.top]) for lp in o.logprobs]
+    plps = None
+    if o.prompt_logprobs is not None:
+        tt = engine.token_text
+        plps = [(t, tt.name(t), tt.bytes(t), None if lp is None else lp.logprob, None if lp is None else lp.rank,
+                 [] if lp is None else [(a, tt.name(a), tt.bytes(a), v) for a, v in lp.top])
+                for t, lp in zip(o.prompt_token_ids, o.prompt_logprobs)]
     return Delivery(o.request_id, o.new_token_ids, o.text_delta, o.finish_reason if o.finished else None,
-                    o.num_prompt_tokens, o.num_cached_tokens, lps, o.rng_state)
+                    o.num_prompt_tokens, o.num_cached_tokens, lps, o.rng_state, plps)

@@ -16,6 +16,8 @@ from service.protocol import ErrorCode
 # (token id, its name, its bytes, logprob, [(top token's id, name, bytes, logprob), ...]) per generated token
 # (engine/detokenizer.py TokenText: a token's own bytes may split a character; its name writes such bytes `\xNN`)
 TokenLogprobs = tuple[int, str, bytes, float, list[tuple[int, str, bytes, float]]]
+# a prompt token's: (id, name, bytes, logprob, rank, top); the first token's logprob and rank None
+PromptLogprobs = tuple[int, str, bytes, float | None, int | None, list[tuple[int, str, bytes, float]]]
 
 
 class RequestError(Exception):
@@ -75,6 +77,7 @@ class RequestHandle:
         self._text: list[str] = []
         self._tokens = 0
         self._logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[PromptLogprobs] | None = None  # with the first token, if asked for
 
     @property
     def started(self) -> bool:

@@ -100,6 +100,8 @@ def _check_common(svc: Service, body: CommonRequest) -> None:
         raise HTTPError(400, "stream_options is only allowed when stream is true", param="stream_options",
                         code="invalid_message")
     refuse_unsupported(body)
+    if body.prompt_logprobs is not None and body.stream:  # (as vLLM)
+        raise HTTPError(400, "prompt_logprobs are not available when streaming", param="prompt_logprobs")
     if body.truncate_prompt_tokens == 0:
         raise HTTPError(400, "truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds)",
                         param="truncate_prompt_tokens")
@@ -141,7 +143,8 @@ async def chat_completions(request: Request) -> Response:
                               tools=tools.tools)
         echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
         render = ChatRender(svc.model_name, body.logprobs, echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
-                            tools=tools if tools.mode != "none" else None)
+                            tools=tools if tools.mode != "none" else None,
+                            prompt_logprobs=body.prompt_logprobs is not None)
         return await _generate(request, svc, [req], render, body)
     except RequestError as e:
         return _error(_from_request_error(e))
@@ -154,13 +157,19 @@ async def completions(request: Request) -> Response:
     try:
         body = await _read_body(request, CompletionRequest, svc.config.max_message_bytes)
         _check_common(svc, body)
-        params = sampling_params(max_tokens=body.max_tokens or 16, logprobs=body.logprobs, **body.sampling_kwargs())
+        kwargs, prompts = body.sampling_kwargs(), completion_prompts(body)
+        if body.echo and (body.logprobs is not None or not all(isinstance(p, str) for p in prompts)):
+            # the prompt's tokens (their logprobs, or the text of prompt token ids): the prompt's logprobs carry them
+            kwargs["prompt_logprobs"] = max(body.logprobs or 0, kwargs.get("prompt_logprobs", 0))
+        params = sampling_params(max_tokens=body.max_tokens or 16, logprobs=body.logprobs, **kwargs)
         reqs = [GenerateRequest(prompt=prompt, chat=False, params=params, api="completions", client=_peer(request),
                                 add_special_tokens=body.add_special_tokens, truncate_prompt_tokens=_truncation(svc, body),
                                 fit_max_tokens=body.max_tokens is None)  # the default 16 fits; one asked for must
-                for prompt in completion_prompts(body)]
+                for prompt in prompts]
         render = CompletionRender(svc.model_name, body.logprobs is not None,
-                                  token_ids=bool(body.return_tokens_as_token_ids))
+                                  token_ids=bool(body.return_tokens_as_token_ids),
+                                  echo=[p if isinstance(p, str) else None for p in prompts] if body.echo else None,
+                                  prompt_logprobs=body.prompt_logprobs is not None, n=body.n or 1)
         return await _generate(request, svc, reqs, render, body)
     except RequestError as e:
         return _error(_from_request_error(e))

@@ -10,7 +10,7 @@ import uuid
 from typing import Any, Protocol
 
 from service import openai_tools
-from service.handle import RequestHandle, TokenLogprobs
+from service.handle import PromptLogprobs, RequestHandle, TokenLogprobs
 from service.openai_tools import ToolPlan, ToolStream
 
 
@@ -48,14 +48,17 @@ class _Base:
     ID_PREFIX = OBJECT = CHUNK_OBJECT = ""
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: _Base | None = None, *,
-                 token_ids: bool = False) -> None:
-        """`token_ids`: logprobs name each token `token_id:N` (vLLM's `return_tokens_as_token_ids`)."""
+                 token_ids: bool = False, prompt_logprobs: bool = False) -> None:
+        """`token_ids`: logprobs name each token `token_id:N` (vLLM's `return_tokens_as_token_ids`);
+        `prompt_logprobs`: the answer has its prompt's logprobs (vLLM's)."""
         self.id = first.id if first is not None else f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
         self.created = first.created if first is not None else int(time.time())
         self.model = model
         self.logprobs = logprobs
         self.index = index
         self.token_ids = first.token_ids if first is not None else token_ids
+        self.prompt_logprobs = first.prompt_logprobs if first is not None else prompt_logprobs
+        self.handle: RequestHandle | None = None  # a stream's (`stream_start`)
 
     def siblings(self, n: int) -> list[Render]:
         """This renderer (the first choice's) and those of the response's n - 1 other choices (over every prompt of a
@@ -64,6 +67,16 @@ class _Base:
 
     def _name(self, token_id: int, name: str) -> str:
         return f"token_id:{token_id}" if self.token_ids else name
+
+    def _prompt_lps(self, h: RequestHandle) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (the first: None), {token id: {logprob, rank, decoded_token}}
+        for it and its top alternatives (ranked 1, 2, ...)."""
+        def entry(i: int, name: str, lp: float, rank: int) -> tuple[str, dict[str, Any]]:
+            return str(i), {"logprob": lp, "rank": rank, "decoded_token": self._name(i, name)}
+
+        return [None if lp is None else dict([entry(i, name, lp, rank), *(
+            entry(a, an, v, j) for j, (a, an, _, v) in enumerate(top, start=1) if a != i)])
+                for i, name, _, lp, rank, top in (h.prompt_logprobs or [])]
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         raise NotImplementedError
@@ -89,14 +102,21 @@ class ChatRender(_Base):
     ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: ChatRender | None = None, *,
-                 echo: str = "", token_ids: bool = False, tools: ToolPlan | None = None) -> None:
+                 echo: str = "", token_ids: bool = False, tools: ToolPlan | None = None,
+                 prompt_logprobs: bool = False) -> None:
         """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's); `tools`: what
         the request's tools ask of the answer (service/openai_tools.py: its calls parsed out of the text)."""
-        super().__init__(model, logprobs, index, first, token_ids=token_ids)
+        super().__init__(model, logprobs, index, first, token_ids=token_ids, prompt_logprobs=prompt_logprobs)
         self.echo = first.echo if first is not None else echo
         self.tools = first.tools if first is not None else tools
         self.stream = ToolStream(self.tools) if self.tools is not None else None
         self.held: list[TokenLogprobs] = []  # a stream's logprobs of text the tool parser holds back
+
+    def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
+        body = super().response(renders, handles, n)
+        if self.prompt_logprobs:  # (vLLM's: the response's, its prompt's)
+            body["prompt_logprobs"] = self._prompt_lps(handles[0])
+        return body
 
     def _lp(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
         def entry(i: int, tok: str, raw: bytes, lp: float) -> dict[str, Any]:
@@ -159,23 +179,37 @@ class ChatRender(_Base):
 class CompletionRender(_Base):
     ID_PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, model: str, logprobs: bool, index: int = 0, first: _Base | None = None, *,
-                 token_ids: bool = False) -> None:
-        super().__init__(model, logprobs, index, first, token_ids=token_ids)
+    def __init__(self, model: str, logprobs: bool, index: int = 0, first: CompletionRender | None = None, *,
+                 token_ids: bool = False, echo: list[str | None] | None = None, prompt_logprobs: bool = False,
+                 n: int = 1) -> None:
+        """`echo`: each prompt's text (None: its tokens' text), which its choices' answers start with (OpenAI's
+        `echo`; with logprobs, its tokens' lead theirs, the first's null); `n`: choices per prompt."""
+        super().__init__(model, logprobs, index, first, token_ids=token_ids, prompt_logprobs=prompt_logprobs)
+        self.echo = first.echo if first is not None else echo
+        self.n = first.n if first is not None else n
+        self.echoed = False  # a stream sent the prompt
         self.offset = 0  # text_offset of the next token, across stream chunks
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # the text the tokens' bytes have made so far
+
+    def _echo(self, h: RequestHandle) -> tuple[str, list[TokenLogprobs]]:
+        """The prompt text this choice's answer starts with, and its tokens as logprob entries."""
+        plps: list[PromptLogprobs] = h.prompt_logprobs or []
+        text = self.echo[self.index // self.n]  # type: ignore[index]
+        if text is None:  # (token ids: their text, as the answer's is made, from their bytes)
+            text = b"".join(raw for _, _, raw, _, _, _ in plps).decode("utf-8", "replace")
+        return text, [(i, name, raw, lp, top) for i, name, raw, lp, _, top in plps]  # type: ignore[misc]
 
     def _lp(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
         """`text_offset`: where in the text each token's bytes begin; a token that continues a character split
         over tokens points at that character, whose text its last piece completes."""
         offsets, tops = [], []
-        for _, _, raw, _, top in lps:
+        for _, _, raw, own, top in lps:
             offsets.append(self.offset + self._pending_chars(raw))
             self.offset += len(self.utf8.decode(raw))
             alts: dict[str, float] = {}
             for i, name, _, lp in top:  # (names rarely repeat; the likelier entry is kept)
                 alts.setdefault(self._name(i, name), lp)
-            tops.append(alts)
+            tops.append(alts if own is not None else None)  # (an echoed prompt's first token has none)
         return {"tokens": [self._name(i, t) for i, t, _, _, _ in lps], "token_logprobs": [lp for _, _, _, lp, _ in lps],
                 "top_logprobs": tops, "text_offset": offsets}
 
@@ -193,16 +227,31 @@ class CompletionRender(_Base):
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
-        return {"index": self.index, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
-                "finish_reason": _finish_reason(h)}
+        prompt, plps = self._echo(h) if self.echo is not None else ("", [])
+        choice = {"index": self.index, "text": prompt + text,
+                  "logprobs": self._lp(plps + lps) if self.logprobs else None, "finish_reason": _finish_reason(h)}
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_lps(h)
+        return choice
 
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
+        self.handle = h
         return []
 
-    def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
-        return [self._chunk([{"index": self.index, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
+    def _echoed(self, include_usage: bool) -> list[dict[str, Any]]:
+        """A stream's prompt chunk, once: when its first output came (with the prompt's tokens)."""
+        if self.echo is None or self.echoed:
+            return []
+        self.echoed = True
+        text, plps = self._echo(self.handle)  # type: ignore[arg-type]
+        return [self._chunk([{"index": self.index, "text": text, "logprobs": self._lp(plps) if self.logprobs else None,
                               "finish_reason": None}], include_usage)]
 
+    def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
+        return self._echoed(include_usage) + [self._chunk([{
+            "index": self.index, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
+            "finish_reason": None}], include_usage)]
+
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
-        return [self._chunk([{"index": self.index, "text": "", "logprobs": None, "finish_reason": _finish_reason(h)}],
-                            include_usage)]
+        return self._echoed(include_usage) + [self._chunk([{
+            "index": self.index, "text": "", "logprobs": None, "finish_reason": _finish_reason(h)}], include_usage)]

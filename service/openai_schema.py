@@ -82,7 +82,9 @@ class CommonRequest(Struct):
     skip_special_tokens: Any = None
     # vLLM's: only the prompt's last k tokens (its templated tokens, for a chat); -1: as many as the context holds
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
-    prompt_logprobs: Any = None
+    # (vLLM's) each prompt token's logprob with this many top alternatives: completions' choices' and chat's response's
+    # `prompt_logprobs` (the first token's None); not with streaming
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     logits_processors: Any = None
     return_tokens_as_token_ids: bool | None = None  # (vLLM's) logprobs name tokens `token_id:N`
 
@@ -99,6 +101,8 @@ class CommonRequest(Struct):
             kwargs["allowed_token_ids"] = self.allowed_token_ids
         if self.bad_words:
             kwargs["bad_words"] = self.bad_words
+        if self.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = self.prompt_logprobs
         if self.logit_bias:
             if not all(re.fullmatch(r"0|[1-9][0-9]{0,9}", k) for k in self.logit_bias):  # ("05" would be "5" twice)
                 raise HTTPError(400, "logit_bias: each key must be a token id (a decimal integer, no leading zeros)",
@@ -155,7 +159,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "no beam search"),
     "length_penalty": ((1, 1.0), "no beam search"),
     "skip_special_tokens": ((True,), "special tokens are never in the text"),
-    "prompt_logprobs": ((), "no prompt logprobs"),
     "logits_processors": (([],), "no custom logits processors"),
     "chat_template": ((), "the model's own chat template only"),
     "chat_template_kwargs": (({},), "the model's own chat template only"),
@@ -164,7 +167,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 _COMPLETIONS_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "echo": ((False,), "the prompt is not echoed"),
     "suffix": ((), "no text insertion"),
     "best_of": ((1,), "no best-of ranking: ask for n choices"),
 }

@@ -278,7 +278,7 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
      "messages[0].tool_calls[0].function.arguments"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "unsupported_parameter", "messages[0].content"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "unsupported_parameter", "echo"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "invalid_message", "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "unsupported_parameter", "best_of"),
     ("/v1/completions", {"prompt": [[1], []]}, "invalid_message", "prompt"),  # a batch with an empty prompt
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": "high"}}, "invalid_message", "logit_bias"),

@@ -103,7 +103,7 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
                                                  "stream": None, "echo": None, "logprobs": None})):
             r = http.post(route, json=body)
             assert r.status_code == 200, r.text
-        for name, value in (("use_beam_search", True), ("prompt_logprobs", 1), ("chat_template", "{{ x }}")):
+        for name, value in (("use_beam_search", True), ("chat_template", "{{ x }}")):
             r = http.post("/v1/chat/completions", json={**chat, name: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
             assert r.json()["error"]["code"] == "unsupported_parameter"
@@ -504,3 +504,44 @@ def test_add_special_tokens_as_vllm(bos_model_dir) -> None:
         chat = {"messages": MESSAGES}
         assert prompt_tokens("/v1/chat/completions", **chat) + 1 == prompt_tokens("/v1/chat/completions", **chat,
                                                                                   add_special_tokens=True)
+
+
+def test_echo_and_prompt_logprobs(main_server: Server, client: openai.OpenAI, model: str) -> None:
+    """Completions' `echo` starts the text with the prompt's, and with `logprobs` its tokens lead the answer's (the
+    first's logprob and top null), as lm-evaluation-harness scores a continuation; vLLM's `prompt_logprobs` gives
+    each prompt token's logprob, rank and top alternatives, per choice (completions) or per response (chat)."""
+    prompt = "The river runs to the sea, and the sea"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0.0)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0.0, echo=True)
+    assert r.choices[0].text == prompt + plain.choices[0].text
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0, echo=True, logprobs=2,
+                                  extra_body={"prompt_logprobs": 2})
+    (c,) = r.choices
+    lp, prompt_lps = c.logprobs, c.model_extra["prompt_logprobs"]
+    n = r.usage.prompt_tokens
+    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(prompt_lps) == n and prompt_lps[0] is None
+    assert "".join(lp.tokens[:n]) == prompt and lp.text_offset[n] == len(prompt) and c.text.startswith(prompt)
+    for j in range(1, n):  # the echoed tokens' logprobs are the prompt's
+        (tid, entry), *top = prompt_lps[j].items()
+        assert entry["logprob"] == pytest.approx(lp.token_logprobs[j]) and entry["decoded_token"] == lp.tokens[j]
+        assert entry["rank"] >= 1 and len(lp.top_logprobs[j]) <= 2
+        best = max(lp.top_logprobs[j].values())
+        assert entry["logprob"] <= best + 1e-6 and (entry["rank"] == 1) == (entry["logprob"] >= best - 1e-6)
+    # a prompt of token ids is echoed as its tokens' text; a stream's text and logprobs are the whole answer's
+    ids = [t for t in range(40, 60)]
+    whole = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0.0, echo=True, logprobs=1)
+    chunks = list(client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0.0, echo=True,
+                                            logprobs=1, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+    assert [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens] == \
+        whole.choices[0].logprobs.tokens
+    assert len(whole.choices[0].logprobs.tokens) == len(ids) + whole.usage.completion_tokens
+    # chat: the response's, over the templated prompt
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    plps = r.model_extra["prompt_logprobs"]
+    assert len(plps) == r.usage.prompt_tokens and plps[0] is None and all(len(e) == 1 for e in plps[1:])
+    with httpx.Client(base_url=main_server.url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, "stream": True,
+                                                    "prompt_logprobs": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
