@@ -40,19 +40,23 @@ class InputProcessor:
                         "messages are only bounded by their characters before they are tokenized")
 
     def chat_ids(self, messages: Messages, add_special_tokens: bool = False, *, add_generation_prompt: bool = True,
-                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                 documents: list[dict[str, Any]] | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The chat template applied to `messages`, tokenized (the template writes the special tokens it wants: the
         tokenizer's own, a BOS say, are added only if asked). A message is a `{"role", "content"}` dict or any object
         with those attributes (a server's wire type). As vLLM's and transformers' options of the same names:
         `add_generation_prompt` ends the prompt with the opening of the assistant's turn; `continue_final_message`
         instead leaves the last message open, so the answer continues its text (a prefilled answer); `tools` (OpenAI's
         function tools) are the template's to show, as it writes them (one that does not mention them leaves them
-        out)."""
+        out), and so are `documents` (a RAG template's) and `template_kwargs` (more variables: Qwen3's
+        `enable_thinking`, say)."""
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         messages = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message, tools=tools or None)
+                                                  continue_final_message=continue_final_message, tools=tools or None,
+                                                  documents=documents or None, **(template_kwargs or {}))
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -101,15 +105,14 @@ class InputProcessor:
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         return a[:n]
 
-    def refuse_early(self, prompt: Messages | str | list[int], truncated: bool = False,
-                     tools: list[dict[str, Any]] | None = None) -> None:
+    def refuse_early(self, prompt: Messages | str | list[int], truncated: bool = False, extra: Any = None) -> None:
         """Raises `PromptTooLongError` for token ids that fill the context, or text whose lower bound on tokens
         fills EARLY_SLACK contexts; with `truncated` (only the prompt's last tokens are kept), token ids too only
         from EARLY_SLACK contexts on.
 
         O(messages), no tokenizer: characters / MAX_CHARS_PER_TOKEN, plus what the template adds per message
-        (28,000 one-character messages are refused here, not after a second of templating). A chat's `tools` and its
-        messages' tool calls count as their JSON's characters."""
+        (28,000 one-character messages are refused here, not after a second of templating). A chat's messages' tool
+        calls and `extra` (what else its template is given: tools, documents) count as their JSON's characters."""
         limit = EARLY_SLACK * self.max_model_len
         if isinstance(prompt, str):
             bound, what = math.ceil(len(prompt) / MAX_CHARS_PER_TOKEN), f"{len(prompt)} characters"
@@ -119,7 +122,7 @@ class InputProcessor:
                 chars = sum(len((m.get("content") if isinstance(m, dict) else m.content) or "") for m in prompt)
                 chars += sum(len(json.dumps(m["tool_calls"])) for m in prompt
                              if isinstance(m, dict) and m.get("tool_calls"))
-                chars += len(json.dumps(tools)) if tools else 0
+                chars += len(json.dumps(extra)) if extra else 0
                 bound += math.ceil(chars / MAX_CHARS_PER_TOKEN)
                 what = f"{len(prompt)} messages of {chars} characters"
         else:

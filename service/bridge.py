@@ -128,7 +128,8 @@ class EngineBridge:
         if self.fatal is not None or not self.ready or self._processor is None:
             raise RequestError("internal", "the engine is not running")
         try:
-            self._processor.refuse_early(req.prompt, truncated=req.truncate_prompt_tokens is not None, tools=req.tools)
+            self._processor.refuse_early(req.prompt, truncated=req.truncate_prompt_tokens is not None,
+                                         extra=[x for x in (req.tools, req.documents, req.template_kwargs) if x])
         except PromptTooLongError as e:
             raise RequestError("prompt_too_long", str(e)) from None
         if len(params) > self._max_queued:
@@ -151,7 +152,8 @@ class EngineBridge:
         """On the tokenizer thread."""
         assert self._processor is not None
         template = dict(add_generation_prompt=req.add_generation_prompt,
-                        continue_final_message=req.continue_final_message, tools=req.tools) if req.chat else {}
+                        continue_final_message=req.continue_final_message, tools=req.tools, documents=req.documents,
+                        template_kwargs=req.template_kwargs) if req.chat else {}
         ids = self._processor.tokenize(req.prompt, req.chat, req.add_special_tokens, **template)
         return ids[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else ids
 

@@ -55,6 +55,8 @@ class GenerateRequest:
     continue_final_message: bool = False
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's), once tokenized
     tools: list[dict[str, Any]] | None = None  # a chat's tools, for its template (service/openai_tools.py)
+    documents: list[dict[str, Any]] | None = None  # (vLLM's) a chat's documents, for its template
+    template_kwargs: dict[str, Any] | None = None  # (vLLM's chat_template_kwargs) more variables for its template
 
 
 class RequestHandle:

@@ -23,7 +23,7 @@ from service.openai_errors import HTTPError, error_body, error_response
 from service.handle import GenerateRequest, RequestError, RequestHandle, sampling_params
 from service.openai_schema import (
     ChatCompletionRequest, CommonRequest, CompletionRequest, chat_messages, completion_prompts, decode_body,
-    refuse_unsupported,
+    refuse_unsupported, template_kwargs,
 )
 from service import openai_tools
 from service.openai_render import ChatRender, CompletionRender, Render
@@ -140,7 +140,7 @@ async def chat_completions(request: Request) -> Response:
                               fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
                               add_special_tokens=body.add_special_tokens, add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final, truncate_prompt_tokens=_truncation(svc, body),
-                              tools=tools.tools)
+                              tools=tools.tools, documents=body.documents, template_kwargs=template_kwargs(body))
         echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
         render = ChatRender(svc.model_name, body.logprobs, echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
                             tools=tools if tools.mode != "none" else None,

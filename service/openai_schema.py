@@ -137,9 +137,10 @@ class ChatCompletionRequest(CommonRequest):
     echo: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
-    chat_template: Any = None
-    chat_template_kwargs: Any = None
-    documents: Any = None
+    chat_template: Any = None  # (refused: a client's template would run on the server's tokenizer thread)
+    # (vLLM's) more variables for the model's chat template (Qwen3's `enable_thinking`, say); documents for a RAG one
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 class CompletionRequest(CommonRequest):
@@ -161,8 +162,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_special_tokens": ((True,), "special tokens are never in the text"),
     "logits_processors": (([],), "no custom logits processors"),
     "chat_template": ((), "the model's own chat template only"),
-    "chat_template_kwargs": (({},), "the model's own chat template only"),
-    "documents": (([],), "the model's own chat template only"),
 }
 
 
@@ -182,6 +181,25 @@ def refuse_unsupported(body: CommonRequest) -> None:
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+# the chat template's own arguments: `chat_template_kwargs` may not set them
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                 "continue_final_message", "tokenize", "return_dict", "return_assistant_tokens_mask",
+                                 "chat_template", "padding", "truncation", "max_length", "return_tensors",
+                                 "tokenizer_kwargs", "bos_token", "eos_token", "raise_exception", "strftime_now"})
+
+
+def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """`chat_template_kwargs`, checked: each key a name the template can read, none of its own arguments."""
+    kwargs = body.chat_template_kwargs
+    if not kwargs:
+        return None
+    for key in kwargs:
+        if not key.isidentifier() or key in _TEMPLATE_ARGUMENTS:
+            raise HTTPError(400, f"chat_template_kwargs: {key!r} is not a variable the template may be given (a name, "
+                                 "not one of the template's own arguments)", param="chat_template_kwargs")
+    return kwargs
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -30,6 +30,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 # a Hermes-style template (Qwen2.5's, shortened): the tools in a system turn, calls and results in their own
 TEMPLATE = (
+    "{%- if enable_thinking is defined and not enable_thinking %}<|im_start|>system\nno thinking<|im_end|>\n"
+    "{% endif %}"
+    "{%- if documents %}<|im_start|>system\n{% for d in documents %}{{ d['title'] }}: {{ d['text'] }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
     "{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
     "{% endif %}"
     "{%- for m in messages %}"
@@ -237,3 +241,23 @@ def test_tools_and_earlier_calls_reach_the_template(server, client: openai.OpenA
                                "tool_choice")):
             r = http.post("/v1/chat/completions", json={"model": "tools-model", "messages": MESSAGES, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_template_kwargs_and_documents_reach_the_template(server, client: openai.OpenAI) -> None:
+    """vLLM's `chat_template_kwargs` (Qwen3's `enable_thinking`, say) and `documents` are the template's to write; a
+    key that would set one of the template's own arguments is refused."""
+    def prompt_tokens(**extra) -> int:
+        return client.chat.completions.create(model="tools-model", messages=MESSAGES, max_tokens=1,
+                                              extra_body=extra).usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
+    assert prompt_tokens(documents=[{"title": "Rivers", "text": "The Nile is long."}]) > plain + 5
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for kwargs in ({"add_generation_prompt": False}, {"tools": []}, {"not a name": 1}):
+            r = http.post("/v1/chat/completions", json={"model": "tools-model", "messages": MESSAGES,
+                                                        "chat_template_kwargs": kwargs})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+        r = http.post("/v1/chat/completions", json={"model": "tools-model", "messages": MESSAGES, "chat_template": "x"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
