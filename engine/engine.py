@@ -35,7 +35,7 @@ from engine.processor import InputProcessor
 from engine.request import (PLACEHOLDER, Checkpoint, CompletionOutput, InvalidSamplingParam, PromptTooLongError,
                             Request, RequestOutput, SamplingParams, Status)
 from engine.sampler import SeededStream
-from engine.scheduler import Batch, Scheduler
+from engine.scheduler import PROMPT_LOGPROBS_ROWS, Batch, Scheduler
 from engine.structured import COMPILE_TIMEOUT_S, SYNC_COMPILE_S, Grammars
 from engine.step_cost import attention_work
 
@@ -270,6 +270,12 @@ class LLMEngine:
                                     else set(params.allowed_token_ids) <= set(ban)):
                 raise InvalidSamplingParam("min_tokens", "min_tokens: every token that may be sampled ends the request "
                                            "(stop_token_ids, EOS), so none could come before the minimum")
+        if (params.prompt_logprobs is not None and self.config.scheduling != "mixed"
+                and req.num_prompt_tokens > PROMPT_LOGPROBS_ROWS):  # (its logits at once: prompts are computed whole)
+            raise InvalidSamplingParam("prompt_logprobs", f"prompt_logprobs: under --scheduling "
+                                       f"{self.config.scheduling} a prompt is computed whole, its logits at once: at "
+                                       f"most {PROMPT_LOGPROBS_ROWS} tokens (this one has {req.num_prompt_tokens}); "
+                                       "mixed computes a longer one in chunks")
         compiling = params.structured_output is not None and not self._grammar(req)
         if params.bad_words:
             for ids in bad_words_ids(self.tokenizer, params.bad_words, vocab):
@@ -749,7 +755,7 @@ class LLMEngine:
         out = self._output(req, e.token_ids, req.detok.delta(e.reason is not None), e.reason, e.logprobs or None)
         out.finished, out.finish_reason = e.reason is not None, e.reason  # as of its step (it may have ended since)
         if req.wants_prompt_logprobs:  # (its first token's output: every prompt chunk is computed)
-            out.prompt_logprobs, req.prompt_lps_sent = req.prompt_lps, True
+            out.prompt_logprobs, req.prompt_lps_sent = list(req.prompt_lps), True  # (a copy: a recompute rewrites)
             out.prompt_token_ids = req.token_ids[: req.num_prompt_tokens]
         out.rng_state = e.rng_state
         return out

@@ -300,18 +300,22 @@ def _prompt_rows(batch: Batch, starts: list[int]) -> list[tuple[int, int, int]]:
             if r.wants_prompt_logprobs and (k := min(s + n, r.num_prompt_tokens - 1) - s) > 0]
 
 
+PROMPT_LOGPROBS_SLICE = 32  # rows made into logprobs at once: the work's memory is this many rows', not the step's
+
+
 def _prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int, int]]) -> None:
     """Each prompt row's logprobs (raw, as the model gives them) into its request's `prompt_lps`, by position."""
-    lp = logits.float().log_softmax(-1)
-    ids = torch.tensor([t for _, _, t in targets], device=lp.device)
-    chosen = lp.gather(1, ids[:, None])
-    ranks = ((lp > chosen).sum(-1) + 1).tolist()
     k = max(r.params.prompt_logprobs for r, _, _ in targets)
-    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen[:, 0].tolist()
-    for j, (r, pos, token) in enumerate(targets):
-        n = r.params.prompt_logprobs
-        r.prompt_lps[pos] = PromptLogprob(token, chosen[j], ranks[j], list(zip(top_i[j][:n], top_v[j][:n])))
+    for a in range(0, len(targets), PROMPT_LOGPROBS_SLICE):
+        part = targets[a : a + PROMPT_LOGPROBS_SLICE]
+        lp = logits[a : a + len(part)].float().log_softmax(-1)
+        chosen = lp.gather(1, torch.tensor([t for _, _, t in part], device=lp.device)[:, None])
+        ranks = ((lp > chosen).sum(-1) + 1).tolist()
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i, chosen_ = top_v.tolist(), top_i.tolist(), chosen[:, 0].tolist()
+        for j, (r, pos, token) in enumerate(part):
+            n = r.params.prompt_logprobs
+            r.prompt_lps[pos] = PromptLogprob(token, chosen_[j], ranks[j], list(zip(top_i[j][:n], top_v[j][:n])))
 
 
 def _logits_indices(last: np.ndarray, drafts: list[int]) -> np.ndarray:

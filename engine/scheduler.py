@@ -98,6 +98,7 @@ class Scheduler:
         # NOTE: the baselines never chunk, so their budget must fit the longest allowed prompt.
         self.whole_prompt_budget = max(config.max_num_batched_tokens, max_model_len)
         self.num_preemptions = 0
+        self.prompt_rows = PROMPT_LOGPROBS_ROWS
         # with config.itl_slo_ms or speculation: fed by the engine after every step, sizes prompt chunks, prices drafts
         self.step_cost = StepCost()
         self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
@@ -115,6 +116,7 @@ class Scheduler:
         the runner's CUDA graphs, if any: the step-cost model prices a step they do not replay as eager (the prompt
         budget of `itl_slo_ms`, and speculation's drafts)."""
         batch = Batch()
+        self.prompt_rows = PROMPT_LOGPROBS_ROWS  # (what this step's chunks with prompt logprobs may take)
         policy = self.config.scheduling
         if policy == "mixed":
             budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts, graphs)
@@ -207,9 +209,11 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or not req.is_prefilling:
                 continue  # preempted meanwhile, or decoding
-            n = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_limit(self.config, req))
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_limit(req))
+            if n <= 0:
+                continue  # (its prompt's logprobs: this step has rows for no more)
             if self._allocate_or_preempt(req, n, batch):
-                batch.add(req, n)
+                self._add(batch, req, n)
                 budget -= n
                 partial += 1
         return budget
@@ -248,7 +252,9 @@ class Scheduler:
                     and req.block_hashes[len(cached)] in computing:
                 continue  # its next block is another prompt's in this step: cached next step (those behind go on)
             remaining = req.num_tokens - len(cached) * bs
-            n = min(remaining, budget, _chunk_limit(cfg, req)) if chunked else remaining
+            n = min(remaining, budget, self._chunk_limit(req)) if chunked else remaining
+            if n <= 0 or (req.wants_prompt_logprobs and n > self.prompt_rows):
+                continue  # (its prompt's logprobs: this step has rows for no more; a whole prompt waits for a step)
             if chunked and n < remaining and partial >= cfg.max_num_partial_prefills:
                 break  # (first come, first served: no later prompt goes ahead of it)
             if n > budget:
@@ -260,7 +266,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
-            batch.add(req, n)
+            self._add(batch, req, n)
             batch.admitted.append(req)
             budget -= n
             admitted += 1
@@ -268,6 +274,16 @@ class Scheduler:
             if chunked:
                 computing.update(fresh(req, n))  # (its cached tokens count as computed now)
         return admitted
+
+    def _chunk_limit(self, req: Request) -> int:
+        """The most tokens of `req`'s prompt one chunk computes: with prompt logprobs, the rows of logits this step
+        has left for them (PROMPT_LOGPROBS_ROWS in all)."""
+        return min(self.config.chunk_limit, self.prompt_rows) if req.wants_prompt_logprobs else self.config.chunk_limit
+
+    def _add(self, batch: Batch, req: Request, n: int) -> None:
+        batch.add(req, n)
+        if req.wants_prompt_logprobs:
+            self.prompt_rows -= n
 
     def _may_admit(self, req: Request) -> bool:
         """The pressure mode's gate for the head of `waiting`. `normal`: its next chunk fits (the caller checks).
@@ -342,9 +358,6 @@ class Scheduler:
             self.pressure.settle()
 
 
-PROMPT_LOGPROBS_CHUNK = 256  # prompt tokens a chunk of a request with prompt logprobs computes: a row of logits each
-
-
-def _chunk_limit(config: EngineConfig, req: Request) -> int:
-    """The most tokens of `req`'s prompt one chunk computes (a chunk with prompt logprobs: the logits of each)."""
-    return min(config.chunk_limit, PROMPT_LOGPROBS_CHUNK) if req.wants_prompt_logprobs else config.chunk_limit
+# prompt tokens one step computes for requests that want their prompt's logprobs: a row of logits each (at a
+# vocabulary of 150,000, 150 MB in fp32); the policies that never chunk take them only in prompts this short
+PROMPT_LOGPROBS_ROWS = 256

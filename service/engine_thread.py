@@ -25,6 +25,7 @@ from operator import attrgetter
 from typing import Any, Protocol
 
 from engine import Checkpoint, DeviceError, LLMEngine, PromptTooLongError, RequestOutput, SamplingParams, StepError
+from engine.detokenizer import IncrementalDetokenizer
 from engine.processor import InputProcessor
 from service.handle import PromptLogprobs, TokenLogprobs
 from service.protocol import ErrorCode
@@ -346,6 +347,19 @@ class EngineThread(EngineHost):
         self._inbox.put(Stop())
 
 
+def _pieces(engine: LLMEngine, ids: list[int]) -> list[str]:
+    """The prompt's text as its tokens make it, decoded as an answer's is (a split character with its last token):
+    an echoed prompt's text and offsets."""
+    det = IncrementalDetokenizer(engine.tokenizer, [], [])
+    pieces = []
+    for t in ids:
+        det.add_token(t)
+        pieces.append(det.delta(False))
+    if pieces:
+        pieces[-1] += det.delta(True)
+    return pieces
+
+
 def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:
     lps = None
     if o.logprobs:  # present only when the request asked for them
@@ -354,9 +368,9 @@ def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:
                 [(t, tt.name(t), tt.bytes(t), v) for t, v in lp.top]) for lp in o.logprobs]
     plps = None
     if o.prompt_logprobs is not None:
-        tt = engine.token_text
+        tt, text = engine.token_text, _pieces(engine, o.prompt_token_ids)
         plps = [(t, tt.name(t), tt.bytes(t), None if lp is None else lp.logprob, None if lp is None else lp.rank,
-                 [] if lp is None else [(a, tt.name(a), tt.bytes(a), v) for a, v in lp.top])
-                for t, lp in zip(o.prompt_token_ids, o.prompt_logprobs)]
+                 [] if lp is None else [(a, tt.name(a), tt.bytes(a), v) for a, v in lp.top], piece)
+                for t, lp, piece in zip(o.prompt_token_ids, o.prompt_logprobs, text)]
     return Delivery(o.request_id, o.new_token_ids, o.text_delta, o.finish_reason if o.finished else None,
                     o.num_prompt_tokens, o.num_cached_tokens, lps, o.rng_state, plps)

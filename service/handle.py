@@ -16,8 +16,9 @@ from service.protocol import ErrorCode
 # (token id, its name, its bytes, logprob, [(top token's id, name, bytes, logprob), ...]) per generated token
 # (engine/detokenizer.py TokenText: a token's own bytes may split a character; its name writes such bytes `\xNN`)
 TokenLogprobs = tuple[int, str, bytes, float, list[tuple[int, str, bytes, float]]]
-# a prompt token's: (id, name, bytes, logprob, rank, top); the first token's logprob and rank None
-PromptLogprobs = tuple[int, str, bytes, float | None, int | None, list[tuple[int, str, bytes, float]]]
+# a prompt token's: (id, name, bytes, logprob, rank, top, its piece of the prompt's text); the first token's logprob
+# and rank None
+PromptLogprobs = tuple[int, str, bytes, float | None, int | None, list[tuple[int, str, bytes, float]], str]
 
 
 class RequestError(Exception):

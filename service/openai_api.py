@@ -127,6 +127,9 @@ async def chat_completions(request: Request) -> Response:
                                      f"holds the answer to its calls: it cannot be combined with {so.param}",
                                 param="tool_choice")
             kwargs["structured_output"] = tools.structured_output
+        if body.prompt_logprobs is not None and (body.n or 1) > 1:
+            raise HTTPError(400, "n must be 1 with prompt_logprobs: each choice would compute its prompt again",
+                            param="n")
         params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None, **kwargs)
         continue_final = bool(body.continue_final_message)
@@ -144,7 +147,7 @@ async def chat_completions(request: Request) -> Response:
         echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
         render = ChatRender(svc.model_name, body.logprobs, echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
                             tools=tools if tools.mode != "none" else None,
-                            prompt_logprobs=body.prompt_logprobs is not None)
+                            prompt_logprobs=body.prompt_logprobs)
         return await _generate(request, svc, [req], render, body)
     except RequestError as e:
         return _error(_from_request_error(e))
@@ -158,9 +161,14 @@ async def completions(request: Request) -> Response:
         body = await _read_body(request, CompletionRequest, svc.config.max_message_bytes)
         _check_common(svc, body)
         kwargs, prompts = body.sampling_kwargs(), completion_prompts(body)
-        if body.echo and (body.logprobs is not None or not all(isinstance(p, str) for p in prompts)):
-            # the prompt's tokens (their logprobs, or the text of prompt token ids): the prompt's logprobs carry them
+        if body.echo and (body.logprobs is not None or body.truncate_prompt_tokens is not None
+                          or not all(isinstance(p, str) for p in prompts)):
+            # the prompt's tokens (their logprobs; the text of token ids, or of the tokens a truncation kept): the
+            # prompt's logprobs carry them
             kwargs["prompt_logprobs"] = max(body.logprobs or 0, kwargs.get("prompt_logprobs", 0))
+        if "prompt_logprobs" in kwargs and (body.n or 1) > 1:
+            raise HTTPError(400, "n must be 1 with prompt logprobs (prompt_logprobs, or echo with logprobs or of a "
+                                 "prompt of token ids): each choice would compute its prompt again", param="n")
         params = sampling_params(max_tokens=body.max_tokens or 16, logprobs=body.logprobs, **kwargs)
         reqs = [GenerateRequest(prompt=prompt, chat=False, params=params, api="completions", client=_peer(request),
                                 add_special_tokens=body.add_special_tokens, truncate_prompt_tokens=_truncation(svc, body),
@@ -169,7 +177,8 @@ async def completions(request: Request) -> Response:
         render = CompletionRender(svc.model_name, body.logprobs is not None,
                                   token_ids=bool(body.return_tokens_as_token_ids),
                                   echo=[p if isinstance(p, str) else None for p in prompts] if body.echo else None,
-                                  prompt_logprobs=body.prompt_logprobs is not None, n=body.n or 1)
+                                  prompt_logprobs=body.prompt_logprobs, n=body.n or 1,
+                                  top_logprobs=body.logprobs or 0)
         return await _generate(request, svc, reqs, render, body)
     except RequestError as e:
         return _error(_from_request_error(e))

@@ -48,9 +48,9 @@ class _Base:
     ID_PREFIX = OBJECT = CHUNK_OBJECT = ""
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: _Base | None = None, *,
-                 token_ids: bool = False, prompt_logprobs: bool = False) -> None:
+                 token_ids: bool = False, prompt_logprobs: int | None = None) -> None:
         """`token_ids`: logprobs name each token `token_id:N` (vLLM's `return_tokens_as_token_ids`);
-        `prompt_logprobs`: the answer has its prompt's logprobs (vLLM's)."""
+        `prompt_logprobs`: the answer has its prompt's logprobs, with this many top alternatives (vLLM's)."""
         self.id = first.id if first is not None else f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
         self.created = first.created if first is not None else int(time.time())
         self.model = model
@@ -74,9 +74,10 @@ class _Base:
         def entry(i: int, name: str, lp: float, rank: int) -> tuple[str, dict[str, Any]]:
             return str(i), {"logprob": lp, "rank": rank, "decoded_token": self._name(i, name)}
 
+        k = self.prompt_logprobs or 0  # (the engine's may be more: completions' echo asks for its `logprobs`)
         return [None if lp is None else dict([entry(i, name, lp, rank), *(
-            entry(a, an, v, j) for j, (a, an, _, v) in enumerate(top, start=1) if a != i)])
-                for i, name, _, lp, rank, top in (h.prompt_logprobs or [])]
+            entry(a, an, v, j) for j, (a, an, _, v) in enumerate(top[:k], start=1) if a != i)])
+                for i, name, _, lp, rank, top, _ in (h.prompt_logprobs or [])]
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         raise NotImplementedError
@@ -103,7 +104,7 @@ class ChatRender(_Base):
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: ChatRender | None = None, *,
                  echo: str = "", token_ids: bool = False, tools: ToolPlan | None = None,
-                 prompt_logprobs: bool = False) -> None:
+                 prompt_logprobs: int | None = None) -> None:
         """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's); `tools`: what
         the request's tools ask of the answer (service/openai_tools.py: its calls parsed out of the text)."""
         super().__init__(model, logprobs, index, first, token_ids=token_ids, prompt_logprobs=prompt_logprobs)
@@ -114,7 +115,7 @@ class ChatRender(_Base):
 
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
         body = super().response(renders, handles, n)
-        if self.prompt_logprobs:  # (vLLM's: the response's, its prompt's)
+        if self.prompt_logprobs is not None:  # (vLLM's: the response's, its prompt's)
             body["prompt_logprobs"] = self._prompt_lps(handles[0])
         return body
 
@@ -180,36 +181,50 @@ class CompletionRender(_Base):
     ID_PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: CompletionRender | None = None, *,
-                 token_ids: bool = False, echo: list[str | None] | None = None, prompt_logprobs: bool = False,
-                 n: int = 1) -> None:
+                 token_ids: bool = False, echo: list[str | None] | None = None, prompt_logprobs: int | None = None,
+                 n: int = 1, top_logprobs: int = 0) -> None:
         """`echo`: each prompt's text (None: its tokens' text), which its choices' answers start with (OpenAI's
-        `echo`; with logprobs, its tokens' lead theirs, the first's null); `n`: choices per prompt."""
+        `echo`; with logprobs, its tokens' lead theirs, the first's null); `n`: choices per prompt; `top_logprobs`:
+        the alternatives each token's logprobs list (`logprobs`)."""
         super().__init__(model, logprobs, index, first, token_ids=token_ids, prompt_logprobs=prompt_logprobs)
         self.echo = first.echo if first is not None else echo
         self.n = first.n if first is not None else n
+        self.top_logprobs = first.top_logprobs if first is not None else top_logprobs
         self.echoed = False  # a stream sent the prompt
         self.offset = 0  # text_offset of the next token, across stream chunks
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # the text the tokens' bytes have made so far
 
-    def _echo(self, h: RequestHandle) -> tuple[str, list[TokenLogprobs]]:
-        """The prompt text this choice's answer starts with, and its tokens as logprob entries."""
-        plps: list[PromptLogprobs] = h.prompt_logprobs or []
-        text = self.echo[self.index // self.n]  # type: ignore[index]
-        if text is None:  # (token ids: their text, as the answer's is made, from their bytes)
-            text = b"".join(raw for _, _, raw, _, _, _ in plps).decode("utf-8", "replace")
-        return text, [(i, name, raw, lp, top) for i, name, raw, lp, _, top in plps]  # type: ignore[misc]
+    def _echo(self, h: RequestHandle) -> tuple[str, dict[str, Any] | None]:
+        """The prompt text this choice's answer starts with and, with logprobs, its tokens' (the first's null): the
+        text the prompt's tokens make, decoded as an answer's is, when the engine sent them (with logprobs, a prompt
+        of token ids, a truncated prompt), else the prompt as given. The answer's offsets go on after it."""
+        plps: list[PromptLogprobs] | None = h.prompt_logprobs
+        if plps is None:
+            return self.echo[self.index // self.n], None  # type: ignore[index,return-value]
+        offsets, at = [], 0
+        for *_, piece in plps:
+            offsets.append(at)
+            at += len(piece)
+        self.offset = at  # (the answer's tokens' offsets follow the prompt's text)
+        lp = {"tokens": [self._name(i, name) for i, name, *_ in plps], "token_logprobs": [p[3] for p in plps],
+              "top_logprobs": [None if lp is None else self._alternatives(top[: self.top_logprobs])
+                               for _, _, _, lp, _, top, _ in plps], "text_offset": offsets}
+        return "".join(p[6] for p in plps), lp
+
+    def _alternatives(self, top: list[tuple[int, str, bytes, float]]) -> dict[str, float]:
+        alts: dict[str, float] = {}
+        for i, name, _, lp in top:  # (names rarely repeat; the likelier entry is kept)
+            alts.setdefault(self._name(i, name), lp)
+        return alts
 
     def _lp(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
         """`text_offset`: where in the text each token's bytes begin; a token that continues a character split
         over tokens points at that character, whose text its last piece completes."""
         offsets, tops = [], []
-        for _, _, raw, own, top in lps:
+        for _, _, raw, _, top in lps:
             offsets.append(self.offset + self._pending_chars(raw))
             self.offset += len(self.utf8.decode(raw))
-            alts: dict[str, float] = {}
-            for i, name, _, lp in top:  # (names rarely repeat; the likelier entry is kept)
-                alts.setdefault(self._name(i, name), lp)
-            tops.append(alts if own is not None else None)  # (an echoed prompt's first token has none)
+            tops.append(self._alternatives(top))
         return {"tokens": [self._name(i, t) for i, t, _, _, _ in lps], "token_logprobs": [lp for _, _, _, lp, _ in lps],
                 "top_logprobs": tops, "text_offset": offsets}
 
@@ -227,10 +242,12 @@ class CompletionRender(_Base):
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
-        prompt, plps = self._echo(h) if self.echo is not None else ("", [])
-        choice = {"index": self.index, "text": prompt + text,
-                  "logprobs": self._lp(plps + lps) if self.logprobs else None, "finish_reason": _finish_reason(h)}
-        if self.prompt_logprobs:
+        prompt, echoed = self._echo(h) if self.echo is not None else ("", None)
+        logprobs = self._lp(lps) if self.logprobs else None
+        if logprobs is not None and echoed is not None:
+            logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
+        choice = {"index": self.index, "text": prompt + text, "logprobs": logprobs, "finish_reason": _finish_reason(h)}
+        if self.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._prompt_lps(h)
         return choice
 
@@ -243,8 +260,8 @@ class CompletionRender(_Base):
         if self.echo is None or self.echoed:
             return []
         self.echoed = True
-        text, plps = self._echo(self.handle)  # type: ignore[arg-type]
-        return [self._chunk([{"index": self.index, "text": text, "logprobs": self._lp(plps) if self.logprobs else None,
+        text, echoed = self._echo(self.handle)  # type: ignore[arg-type]
+        return [self._chunk([{"index": self.index, "text": text, "logprobs": echoed if self.logprobs else None,
                               "finish_reason": None}], include_usage)]
 
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:

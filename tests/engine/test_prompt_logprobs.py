@@ -75,3 +75,26 @@ def test_prompt_logprobs_zero_and_out_of_range(hf):
     with pytest.raises(InvalidSamplingParam) as e:
         SamplingParams(prompt_logprobs=21)
     assert e.value.param == "prompt_logprobs"
+
+
+def test_a_step_computes_a_bounded_number_of_prompt_logprob_rows(hf, monkeypatch):
+    """However many requests want their prompt's logprobs, a step makes at most PROMPT_LOGPROBS_ROWS rows of them
+    (each a row of logits over the vocabulary); a policy that computes prompts whole takes only prompts that short."""
+    import engine.model_runner
+    from engine.scheduler import PROMPT_LOGPROBS_ROWS
+
+    model, path = hf
+    rows, made = [], engine.model_runner._prompt_logprobs
+    monkeypatch.setattr(engine.model_runner, "_prompt_logprobs", lambda lg, t: (rows.append(len(t)), made(lg, t)))
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=512, max_num_batched_tokens=2048,
+                                 long_prefill_token_threshold=2048, max_num_partial_prefills=8))
+    prompts = _prompts()[3:] * 3  # 300 and 700 tokens, three of each
+    outs = eng.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))
+    assert max(rows) <= PROMPT_LOGPROBS_ROWS and sum(rows) == sum(len(p) - 1 for p in prompts)
+    assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts))
+    whole = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=512, scheduling="prefill_first"))
+    (o,) = whole.generate([_prompts()[2]], SamplingParams(max_tokens=1, prompt_logprobs=0))  # (40 tokens: taken)
+    assert len(o.prompt_logprobs) == 40
+    with pytest.raises(InvalidSamplingParam) as e:
+        whole.add_request("long", _prompts()[4], SamplingParams(prompt_logprobs=0))
+    assert e.value.param == "prompt_logprobs"
