@@ -35,7 +35,7 @@ from engine.processor import InputProcessor
 from engine.request import (PLACEHOLDER, Checkpoint, CompletionOutput, InvalidSamplingParam, PromptTooLongError,
                             Request, RequestOutput, SamplingParams, Status)
 from engine.sampler import SeededStream
-from engine.scheduler import PROMPT_LOGPROBS_ROWS, Batch, Scheduler
+from engine.scheduler import Batch, Scheduler
 from engine.structured import COMPILE_TIMEOUT_S, SYNC_COMPILE_S, Grammars
 from engine.step_cost import attention_work
 
@@ -124,7 +124,7 @@ class LLMEngine:
         self.eos_token_ids = loader.eos_token_ids(model_dir, self.tokenizer)
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching,
                                           layout.num_host_blocks, config.kv_eviction)
-        self.scheduler = Scheduler(config, self.block_manager, layout.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager, layout.max_model_len, mc.vocab_size)
         self.runner = ModelRunner(self.model, layout=layout, max_num_tokens=self.scheduler.whole_prompt_budget,
                                   max_num_seqs=config.max_num_seqs, seed=config.seed, kv_caches=kv_caches,
                                   workers=self.workers, draft_model=self.draft_model, graph_sizes=self._graph_sizes())
@@ -270,12 +270,12 @@ class LLMEngine:
                                     else set(params.allowed_token_ids) <= set(ban)):
                 raise InvalidSamplingParam("min_tokens", "min_tokens: every token that may be sampled ends the request "
                                            "(stop_token_ids, EOS), so none could come before the minimum")
-        if (params.prompt_logprobs is not None and self.config.scheduling != "mixed"
-                and req.num_prompt_tokens > PROMPT_LOGPROBS_ROWS):  # (its logits at once: prompts are computed whole)
-            raise InvalidSamplingParam("prompt_logprobs", f"prompt_logprobs: under --scheduling "
+        rows = self.scheduler.prompt_logprob_rows
+        if params.prompt_logprobs is not None and self.config.scheduling != "mixed" and req.num_prompt_tokens > rows:
+            raise InvalidSamplingParam("prompt_logprobs", f"prompt_logprobs: under --scheduling "  # (its logits at once)
                                        f"{self.config.scheduling} a prompt is computed whole, its logits at once: at "
-                                       f"most {PROMPT_LOGPROBS_ROWS} tokens (this one has {req.num_prompt_tokens}); "
-                                       "mixed computes a longer one in chunks")
+                                       f"most {rows} tokens (this one has {req.num_prompt_tokens}); mixed computes a "
+                                       "longer one in chunks")
         compiling = params.structured_output is not None and not self._grammar(req)
         if params.bad_words:
             for ids in bad_words_ids(self.tokenizer, params.bad_words, vocab):

@@ -50,7 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
     # (vLLM's) the prompt's tokens' logprobs too (the model's, raw), with this many top alternatives each: the prompt is
-    # computed whole (no prefix-cache hits), PROMPT_LOGPROBS_ROWS tokens of such prompts a step (engine/scheduler.py)
+    # computed whole (no prefix-cache hits), a bounded number of such prompt tokens a step (engine/scheduler.py)
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False  # the text ends after a matched stop string instead of before it
     # (vLLM's) the first min_tokens tokens never end the request: EOS (even with ignore_eos) and stop_token_ids cannot

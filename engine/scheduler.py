@@ -89,7 +89,7 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int, vocab_size: int = 0):
         self.config = config
         self.bm = block_manager
         self.max_model_len = max_model_len
@@ -98,7 +98,10 @@ class Scheduler:
         # NOTE: the baselines never chunk, so their budget must fit the longest allowed prompt.
         self.whole_prompt_budget = max(config.max_num_batched_tokens, max_model_len)
         self.num_preemptions = 0
-        self.prompt_rows = PROMPT_LOGPROBS_ROWS
+        # prompt tokens one step computes for requests that want their prompt's logprobs: a row of logits over the
+        # vocabulary each, PROMPT_LOGPROBS_BYTES of them in all (256 rows at a vocabulary of 262,144, 8,192 at 8,192)
+        self.prompt_logprob_rows = prompt_logprob_rows(vocab_size)
+        self.prompt_rows = self.prompt_logprob_rows
         # with config.itl_slo_ms or speculation: fed by the engine after every step, sizes prompt chunks, prices drafts
         self.step_cost = StepCost()
         self.prompt_budget = config.max_num_batched_tokens  # prompt tokens the last `mixed` step could take
@@ -116,7 +119,7 @@ class Scheduler:
         the runner's CUDA graphs, if any: the step-cost model prices a step they do not replay as eager (the prompt
         budget of `itl_slo_ms`, and speculation's drafts)."""
         batch = Batch()
-        self.prompt_rows = PROMPT_LOGPROBS_ROWS  # (what this step's chunks with prompt logprobs may take)
+        self.prompt_rows = self.prompt_logprob_rows  # (what this step's chunks with prompt logprobs may take)
         policy = self.config.scheduling
         if policy == "mixed":
             budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts, graphs)
@@ -277,7 +280,7 @@ class Scheduler:
 
     def _chunk_limit(self, req: Request) -> int:
         """The most tokens of `req`'s prompt one chunk computes: with prompt logprobs, the rows of logits this step
-        has left for them (PROMPT_LOGPROBS_ROWS in all)."""
+        has left for them (`prompt_logprob_rows` in all)."""
         return min(self.config.chunk_limit, self.prompt_rows) if req.wants_prompt_logprobs else self.config.chunk_limit
 
     def _add(self, batch: Batch, req: Request, n: int) -> None:
@@ -358,6 +361,9 @@ class Scheduler:
             self.pressure.settle()
 
 
-# prompt tokens one step computes for requests that want their prompt's logprobs: a row of logits each (at a
-# vocabulary of 150,000, 150 MB in fp32); the policies that never chunk take them only in prompts this short
-PROMPT_LOGPROBS_ROWS = 256
+PROMPT_LOGPROBS_BYTES = 256 << 20  # a step's logits for prompt logprobs, in fp32
+
+
+def prompt_logprob_rows(vocab_size: int) -> int:
+    """Prompt tokens a step computes the logprobs of (the policies that never chunk: in prompts this short)."""
+    return max(256, PROMPT_LOGPROBS_BYTES // (4 * max(vocab_size, 1)))

@@ -78,10 +78,12 @@ def test_prompt_logprobs_zero_and_out_of_range(hf):
 
 
 def test_a_step_computes_a_bounded_number_of_prompt_logprob_rows(hf, monkeypatch):
-    """However many requests want their prompt's logprobs, a step makes at most PROMPT_LOGPROBS_ROWS rows of them
-    (each a row of logits over the vocabulary); a policy that computes prompts whole takes only prompts that short."""
+    """However many requests want their prompt's logprobs, a step makes a bounded number of rows of them (each a row
+    of logits over the vocabulary); a policy that computes prompts whole takes only prompts that short."""
     import engine.model_runner
-    from engine.scheduler import PROMPT_LOGPROBS_ROWS
+    import engine.scheduler
+
+    monkeypatch.setattr(engine.scheduler, "PROMPT_LOGPROBS_BYTES", 256 * 4 * 1024)  # (256 rows of the 1,024 vocabulary)
 
     model, path = hf
     rows, made = [], engine.model_runner._prompt_logprobs
@@ -90,7 +92,7 @@ def test_a_step_computes_a_bounded_number_of_prompt_logprob_rows(hf, monkeypatch
                                  long_prefill_token_threshold=2048, max_num_partial_prefills=8))
     prompts = _prompts()[3:] * 3  # 300 and 700 tokens, three of each
     outs = eng.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))
-    assert max(rows) <= PROMPT_LOGPROBS_ROWS and sum(rows) == sum(len(p) - 1 for p in prompts)
+    assert max(rows) <= 256 == eng.scheduler.prompt_logprob_rows and sum(rows) == sum(len(p) - 1 for p in prompts)
     assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts))
     whole = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=512, scheduling="prefill_first"))
     (o,) = whole.generate([_prompts()[2]], SamplingParams(max_tokens=1, prompt_logprobs=0))  # (40 tokens: taken)
