@@ -5,6 +5,7 @@ refuses anything nested deeper than `MAX_DEPTH` first, in C-speed passes, so no 
 """
 from __future__ import annotations
 
+import json
 import re
 from array import array
 from itertools import accumulate
@@ -20,6 +21,21 @@ _ESCAPE_START = rb"(?<!\\)(?P<pre>(?:\\\\)*)"
 _HIGH = rb"\\u[dD][89abAB][0-9a-fA-F]{2}"
 _LOW = rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
 _SURROGATES = re.compile(_ESCAPE_START + rb"(?:" + _HIGH + _LOW + rb"|(?P<lone>" + _HIGH + rb"|" + _LOW + rb"))")
+
+
+class TooDeep(ValueError):
+    """`loads`' refusal of a text nested deeper than MAX_DEPTH; its message is `depth_error`'s."""
+
+
+def loads(text: str) -> object:
+    """JSON text that is not a body (a field holding JSON as a string, a model's output), decoded: the body's depth
+    check never looked inside it. Raises `TooDeep`, or ValueError if it is not JSON."""
+    if (too_deep := depth_error(text)) is not None:
+        raise TooDeep(too_deep)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # (RecursionError: a parser deeper than the check's bound; kept safe)
+        raise ValueError("not JSON") from None
 
 
 def _bytes(data: str | bytes) -> bytes:

@@ -180,11 +180,9 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 def _json(text: str) -> Any:
     """`text` as JSON; None if it is not, or nests deeper than a request body may (the body's guard does not look
     inside its strings, nor at what the model writes)."""
-    if json_guard.depth_error(text) is not None:
-        return None
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
+        return json_guard.loads(text)
+    except ValueError:
         return None
 
 

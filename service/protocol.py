@@ -87,11 +87,11 @@ def structured_output(**given: Any) -> StructuredOutput | None:
         return StructuredOutput("json_object", param=name)
     if kind == "json":
         if isinstance(value, str):
-            if (too_deep := json_guard.depth_error(value)) is not None:
-                raise InvalidSamplingParam(name, f"{name}: {too_deep}")
             try:
-                value = json.loads(value)
-            except (ValueError, RecursionError):
+                value = json_guard.loads(value)
+            except json_guard.TooDeep as e:
+                raise InvalidSamplingParam(name, f"{name}: {e}") from None
+            except ValueError:
                 raise InvalidSamplingParam(name, f"{name}: a JSON schema, as an object or its JSON text") from None
         if not isinstance(value, (dict, bool)):
             raise InvalidSamplingParam(name, f"{name}: a JSON schema, as an object or its JSON text")
@@ -116,11 +116,11 @@ def _structural_tag(name: str, value: Any) -> dict[str, Any]:
     one (`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`: text in which each part that begins with a
     trigger is one of the structures, its JSON of the schema between begin and end), as an object or its JSON text."""
     if isinstance(value, str):
-        if (too_deep := json_guard.depth_error(value)) is not None:
-            raise InvalidSamplingParam(name, f"{name}: {too_deep}")
         try:
-            value = json.loads(value)
-        except (ValueError, RecursionError):
+            value = json_guard.loads(value)
+        except json_guard.TooDeep as e:
+            raise InvalidSamplingParam(name, f"{name}: {e}") from None
+        except ValueError:
             value = None
     if isinstance(value, dict) and "format" in value:
         return {**value, "type": "structural_tag"}
