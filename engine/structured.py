@@ -178,7 +178,8 @@ class Grammars:
         _timed(req, compiled.first_mask_s)
 
     def _first_mask(self, grammar: Any) -> Compiled:
-        first, seconds = self._fill(self.xgr.GrammarMatcher(grammar))
+        first = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        seconds = _fill(self.xgr.GrammarMatcher(grammar), first)
         if not bool((first & self._keep).any()):
             raise ValueError("it matches no text: no token may begin it")
         return Compiled(grammar, first, seconds)
@@ -191,17 +192,11 @@ class Grammars:
             matcher = req.matcher
 
             def fill() -> torch.Tensor:
-                mask, seconds = self._fill(matcher)
-                _timed(req, seconds)
+                mask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+                _timed(req, _fill(matcher, mask))
                 return mask
 
             req.mask = self._masks.submit(fill)
-
-    def _fill(self, matcher: Any) -> tuple[torch.Tensor, float]:
-        mask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
-        started = time.thread_time()
-        matcher.fill_next_token_bitmask(mask, 0)
-        return mask, time.thread_time() - started
 
     def _compile(self, so: StructuredOutput) -> Any:
         try:
@@ -236,12 +231,17 @@ class Grammars:
             if r.mask is not None:  # (kept until its token is committed: a step run again uses it again)
                 bitmask[i] = r.mask.result()[0]
             else:
-                started = time.thread_time()
-                r.matcher.fill_next_token_bitmask(bitmask, i)
-                _timed(r, time.thread_time() - started)
+                _timed(r, _fill(r.matcher, bitmask, i))
         bitmask &= self._keep  # (the special tokens: out of every row)
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                              vocab_size=self.vocab_size, indices=rows)
+
+
+def _fill(matcher: Any, bitmask: torch.Tensor, row: int = 0) -> float:
+    """Row `row` of `bitmask`: the tokens `matcher` allows next; returns the CPU seconds it took."""
+    started = time.thread_time()
+    matcher.fill_next_token_bitmask(bitmask, row)
+    return time.thread_time() - started
 
 
 def _timed(req: Request, seconds: float) -> None:

@@ -171,18 +171,18 @@ def _masks_ahead(monkeypatch, hold: threading.Event | None = None) -> list[str]:
     it. The list records the thread each mask was made on."""
     from engine import structured
 
-    made, fill = [], structured.Grammars._fill
+    made, fill = [], structured._fill
 
-    def timed(self, matcher):
+    def timed(matcher, bitmask, row=0):
         name = threading.current_thread().name
         made.append(name if name != "sluice-grammar-mask" or sys.platform != "linux"
                     else f"{name} (nice {os.getpriority(os.PRIO_PROCESS, threading.get_native_id())})")
         if hold is not None and name.startswith("sluice-grammar-mask"):
             assert hold.wait(600)
-        return fill(self, matcher)
+        return fill(matcher, bitmask, row)
 
     monkeypatch.setattr(structured, "SLOW_MASK_S", 0.0)
-    monkeypatch.setattr(structured.Grammars, "_fill", timed)
+    monkeypatch.setattr(structured, "_fill", timed)
     return made
 
 
