@@ -319,12 +319,9 @@ class LLMEngine:
     def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
         """Schedules the requests whose grammars are now compiled (their matchers where their checkpoint left them);
         one that cannot be compiled, or is still compiling after COMPILE_TIMEOUT_S, is refused (an output whose
-        `error_param` names its field). With nothing else to run, waits a little for a compile (not a busy loop)."""
+        `error_param` names its field)."""
         if not self._compiling:
             return
-        if not self.scheduler.has_unfinished():
-            futures.wait([r.grammar for r in self._compiling.values()], timeout=0.01,
-                         return_when=futures.FIRST_COMPLETED)
         now = time.monotonic()
         for rid, req in list(self._compiling.items()):
             so = req.params.structured_output
@@ -347,12 +344,14 @@ class LLMEngine:
             req.grammar = None
             self.scheduler.add(req)
 
-    def _wait_for_masks(self) -> None:
-        """Nothing ran this step: if a request waits for its grammar's next mask (engine/structured.py), waits a
-        little for it (not a busy loop)."""
-        if masks := [r.mask for q in (self.scheduler.running, self.scheduler.waiting) for r in q
-                     if r.mask is not None and not r.mask.done()]:  # (waiting: preempted while it was being made)
-            futures.wait(masks, timeout=0.01, return_when=futures.FIRST_COMPLETED)
+    def _idle(self) -> None:
+        """Nothing ran this step and nothing is to be handed back: if a request waits for its grammar's work
+        (engine/structured.py: its compile, or its next mask), waits a little for it (not a busy loop)."""
+        pending = [r.grammar for r in self._compiling.values()] + [
+            r.mask for q in (self.scheduler.running, self.scheduler.waiting) for r in q
+            if r.mask is not None and not r.mask.done()]  # (waiting: preempted while its mask was being made)
+        if pending:
+            futures.wait(pending, timeout=0.01, return_when=futures.FIRST_COMPLETED)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -392,8 +391,9 @@ class LLMEngine:
         batch = self.scheduler.schedule(graphs=self.runner.graphs)
         copy_s = self._copy_blocks()  # the host tier's copies this batch's allocations decided, before its forward
         if not batch:
-            self._wait_for_masks()
-            return outputs + self._emit_pending()
+            if not (outputs := outputs + self._emit_pending()):
+                self._idle()
+            return outputs
         samples = batch.samples()
         spec = self.scheduler.spec
         timed = self.config.itl_slo_ms is not None or spec is not None  # the step-cost model wants this step
@@ -491,7 +491,8 @@ class LLMEngine:
                 self.scheduler.unadmit(batch)
                 return outputs
         if not batch:
-            self._wait_for_masks()
+            if not outputs:
+                self._idle()
             return outputs
         f = _InFlight(batch, samples, launched=[i for i, s in enumerate(samples) if s])
         if self.config.itl_slo_ms is not None or spec is not None:  # before the step counts its tokens
