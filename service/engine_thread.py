@@ -70,8 +70,8 @@ class Delivery:
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None
     rng_state: Any  # a seeded request's generator state after its new token (for its `Checkpoint`), else None
-    # with its first token, if it asked: every prompt token's (id, name, bytes, logprob, rank, top), the first's
-    # logprob and rank None
+    # with its first token, if it asked: every prompt token's (id, name, bytes, logprob, rank, top, its piece of the
+    # prompt's text), the first's logprob and rank None
     prompt_logprobs: list[PromptLogprobs] | None = None
 
     @property
