@@ -10,10 +10,12 @@ import json
 import logging
 import math
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from engine import loader
+from engine.detokenizer import TokenText
 from engine.request import PromptTooLongError
 
 log = logging.getLogger("sluice.engine")
@@ -38,6 +40,11 @@ class InputProcessor:
         if self.tokens_per_message == 0:
             log.warning("the chat template's tokens per message could not be measured: prompts with many short "
                         "messages are only bounded by their characters before they are tokenized")
+
+    @cached_property
+    def token_text(self) -> TokenText:
+        """Token names and bytes over this tokenizer, for a server's prompt logprobs (service/handle.py)."""
+        return TokenText(self.tokenizer)
 
     def chat_ids(self, messages: Messages, add_special_tokens: bool = False, *, add_generation_prompt: bool = True,
                  continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,

@@ -19,10 +19,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from engine import Checkpoint, LLMEngine, PromptTooLongError, SamplingParams
 from engine.processor import InputProcessor
@@ -33,6 +33,7 @@ from service.handle import GenerateRequest, RequestError, RequestHandle, TokenRa
 
 log = logging.getLogger("sluice.bridge")
 
+T = TypeVar("T")
 TOKENIZER_NICENESS = 10  # added to the tokenizer thread's niceness
 MAX_RESTARTS = 3  # engine rebuilds within RESTART_WINDOW_S; one more failure in the window and the service gives up
 RESTART_WINDOW_S = 300.0
@@ -156,6 +157,22 @@ class EngineBridge:
                         template_kwargs=req.template_kwargs) if req.chat else {}
         ids = self._processor.tokenize(req.prompt, req.chat, req.add_special_tokens, **template)
         return ids[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else ids
+
+    async def off_loop(self, client: Hashable, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer thread, in `client`'s turn (service/fair_executor.py): work too long for the
+        loop, where it would hold every stream (a response with a long prompt's logprobs to name and render), delays
+        that client's own prompts instead."""
+        try:
+            future = self._tokenizer.submit(client, fn, *args)
+        except RuntimeError:  # shut down: the server is stopping, with little else to serve
+            return fn(*args)
+        return await asyncio.wrap_future(future)
+
+    def name_prompt_logprobs(self, handle: RequestHandle) -> None:
+        """On the tokenizer thread (`off_loop`): the handle's prompt logprobs, named."""
+        if handle.prompt_scores is not None and handle.prompt_logprobs is None:
+            assert self._processor is not None
+            handle.prompt_logprobs = handle.prompt_scores.named(self._processor.token_text)
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request; it finishes with finish_reason "abort" after the engine's next step (or as soon as
@@ -308,7 +325,7 @@ class EngineBridge:
                     handle.last_token_at = now
                 handle.push(d.text, d.num_new_tokens, d.logprobs)
                 if d.prompt_logprobs is not None:
-                    handle.prompt_logprobs = d.prompt_logprobs
+                    handle.prompt_scores = d.prompt_logprobs
                 if d.finish_reason is not None:
                     notify.pop(d.request_id, None)
                     self._finish(handle, d.finish_reason, None)

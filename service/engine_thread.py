@@ -25,9 +25,8 @@ from operator import attrgetter
 from typing import Any, Protocol
 
 from engine import Checkpoint, DeviceError, LLMEngine, PromptTooLongError, RequestOutput, SamplingParams, StepError
-from engine.detokenizer import IncrementalDetokenizer
 from engine.processor import InputProcessor
-from service.handle import PromptLogprobs, TokenLogprobs
+from service.handle import PromptScores, TokenLogprobs
 from service.protocol import ErrorCode
 
 log = logging.getLogger("sluice.engine_thread")
@@ -70,9 +69,9 @@ class Delivery:
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None
     rng_state: Any  # a seeded request's generator state after its new token (for its `Checkpoint`), else None
-    # with its first token, if it asked: every prompt token's (id, name, bytes, logprob, rank, top, its piece of the
-    # prompt's text), the first's logprob and rank None
-    prompt_logprobs: list[PromptLogprobs] | None = None
+    # with its first token, if it asked: the prompt's ids and the engine's logprobs of them (the first's None), as
+    # they come: named on the server's tokenizer thread when a response needs them (service/handle.py PromptScores)
+    prompt_logprobs: PromptScores | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -347,30 +346,12 @@ class EngineThread(EngineHost):
         self._inbox.put(Stop())
 
 
-def _pieces(engine: LLMEngine, ids: list[int]) -> list[str]:
-    """The prompt's text as its tokens make it, decoded as an answer's is (a split character with its last token):
-    an echoed prompt's text and offsets."""
-    det = IncrementalDetokenizer(engine.tokenizer, [], [])
-    pieces = []
-    for t in ids:
-        det.add_token(t)
-        pieces.append(det.delta(False))
-    if pieces:
-        pieces[-1] += det.delta(True)
-    return pieces
-
-
 def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:
     lps = None
     if o.logprobs:  # present only when the request asked for them
         tt = engine.token_text
         lps = [(lp.token_id, tt.name(lp.token_id), tt.bytes(lp.token_id), lp.logprob,
                 [(t, tt.name(t), tt.bytes(t), v) for t, v in lp.top]) for lp in o.logprobs]
-    plps = None
-    if o.prompt_logprobs is not None:
-        tt, text = engine.token_text, _pieces(engine, o.prompt_token_ids)
-        plps = [(t, tt.name(t), tt.bytes(t), None if lp is None else lp.logprob, None if lp is None else lp.rank,
-                 [] if lp is None else [(a, tt.name(a), tt.bytes(a), v) for a, v in lp.top], piece)
-                for t, lp, piece in zip(o.prompt_token_ids, o.prompt_logprobs, text)]
+    plps = None if o.prompt_logprobs is None else PromptScores(o.prompt_token_ids, o.prompt_logprobs)
     return Delivery(o.request_id, o.new_token_ids, o.text_delta, o.finish_reason if o.finished else None,
                     o.num_prompt_tokens, o.num_cached_tokens, lps, o.rng_state, plps)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from engine import SamplingParams
+from engine import PromptLogprob, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer, TokenText
 from service.protocol import ErrorCode
 
 # (token id, its name, its bytes, logprob, [(top token's id, name, bytes, logprob), ...]) per generated token
@@ -19,6 +20,27 @@ TokenLogprobs = tuple[int, str, bytes, float, list[tuple[int, str, bytes, float]
 # a prompt token's: (id, name, bytes, logprob, rank, top, its piece of the prompt's text); the first token's logprob
 # and rank None
 PromptLogprobs = tuple[int, str, bytes, float | None, int | None, list[tuple[int, str, bytes, float]], str]
+
+
+class PromptScores(NamedTuple):
+    """A prompt's ids and their logprobs as the engine gives them (the first's None), before any name: a long
+    prompt's are thousands of tokens, each with its top alternatives, too many to name on the engine thread or the
+    loop (`named`, on the tokenizer thread: service/bridge.py `off_loop`)."""
+    token_ids: list[int]
+    logprobs: list[PromptLogprob | None]
+
+    def named(self, tt: TokenText) -> list[PromptLogprobs]:
+        """The renderers' form: each token's name, bytes and piece of the prompt's text, decoded as an answer's
+        text is (a character split over tokens comes with its last)."""
+        det = IncrementalDetokenizer(tt.tokenizer, [], [])
+        out: list[PromptLogprobs] = []
+        for t, lp in zip(self.token_ids, self.logprobs):
+            det.add_token(t)
+            out.append((t, tt.name(t), tt.bytes(t), None if lp is None else lp.logprob, None if lp is None else lp.rank,
+                        [] if lp is None else [(a, tt.name(a), tt.bytes(a), v) for a, v in lp.top], det.delta(False)))
+        if out and (rest := det.delta(True)):
+            out[-1] = (*out[-1][:6], out[-1][6] + rest)
+        return out
 
 
 class RequestError(Exception):
@@ -80,7 +102,8 @@ class RequestHandle:
         self._text: list[str] = []
         self._tokens = 0
         self._logprobs: list[TokenLogprobs] = []
-        self.prompt_logprobs: list[PromptLogprobs] | None = None  # with the first token, if asked for
+        self.prompt_scores: PromptScores | None = None  # with the first token, if asked for
+        self.prompt_logprobs: list[PromptLogprobs] | None = None  # those named, once a response needs them
 
     @property
     def started(self) -> bool:

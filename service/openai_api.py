@@ -29,6 +29,7 @@ from service import openai_tools
 from service.openai_render import ChatRender, CompletionRender, Render
 
 if TYPE_CHECKING:
+    from service.bridge import EngineBridge
     from service.state import Service
 
 _STATUS = {"invalid_message": 400, "overloaded": 429, "internal": 500}  # prompt_too_long: _from_request_error
@@ -267,11 +268,17 @@ async def _generate(request: Request, svc: Service, reqs: list[GenerateRequest],
             if h.finished and (failure := _failure(h, body)) is not None:
                 raise failure
         renders = render.siblings(len(handles))
+        client = reqs[0].client
         if not body.stream:
-            return Response(msgspec.json.encode(render.response(renders, handles, n)), media_type="application/json")
+            args = (svc.bridge, render, renders, handles, n)
+            # NOTE: logprobs can make a response of thousands of entries (a long prompt's, each with its top 20): it
+            # is made on the tokenizer thread, in this client's turn, not on the loop that runs every stream
+            heavy = render.logprobs or any(h.prompt_scores is not None for h in handles)
+            content = await svc.bridge.off_loop(client, _encoded, *args) if heavy else _encoded(*args)
+            return Response(content, media_type="application/json")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         streaming = True
-        return SSEResponse(_sse(renders, handles, n, event, include_usage, body, svc.bridge.abort),
+        return SSEResponse(_sse(renders, handles, n, event, include_usage, body, svc.bridge, client),
                            lambda: _abort(svc, handles))
     finally:
         # NOTE: whatever ended the wait -- a disconnect (even in the tick the first output came), an error,
@@ -287,11 +294,25 @@ def _abort(svc: Service, handles: list[RequestHandle]) -> None:
             svc.bridge.abort(h)
 
 
+def _encoded(bridge: EngineBridge, render: Render, renders: list[Render], handles: list[RequestHandle],
+             n: int) -> bytes:
+    """The whole (not streamed) response, its prompt logprobs named."""
+    for h in handles:
+        bridge.name_prompt_logprobs(h)
+    return msgspec.json.encode(render.response(renders, handles, n))
+
+
+def _prompt_events(bridge: EngineBridge, h: RequestHandle, r: Render, include_usage: bool) -> list[bytes]:
+    """A stream's chunks of its prompt (completions' echo with logprobs), once they came: on the tokenizer thread."""
+    bridge.name_prompt_logprobs(h)
+    return [_event(chunk) for chunk in r.stream_prompt(include_usage)]
+
+
 async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, event: asyncio.Event,
-               include_usage: bool, body: CommonRequest, abort: Callable[[RequestHandle], None]) -> AsyncIterator[bytes]:
+               include_usage: bool, body: CommonRequest, bridge: EngineBridge, client: str) -> AsyncIterator[bytes]:
     """Each choice's chunks as its output comes (a chunk names its choice's `index`), its finish chunk when it
     ends; the usage of all after the last. A choice that fails ends the stream with an error event, and the others
-    are aborted."""
+    are aborted. A prompt's logprobs (completions' echo) are named and rendered off the loop, as `_encoded`."""
     for r, h in zip(renders, handles):
         for chunk in r.stream_start(h, include_usage):
             yield _event(chunk)
@@ -302,6 +323,9 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, even
             for h, r in list(running.items()):
                 done = h.finished  # (before taking: what comes while the chunk is written is taken next pass)
                 text, _, lps = h.take()
+                if h.prompt_scores is not None and h.prompt_logprobs is None:  # (they come with the first output)
+                    for e in await bridge.off_loop(client, _prompt_events, bridge, h, r, include_usage):
+                        yield e
                 if text or lps:
                     for chunk in r.stream_delta(text, lps, include_usage):
                         yield _event(chunk)
@@ -318,7 +342,7 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, even
                 await event.wait()
     finally:
         for h in running:  # (a choice failed, or the stream stopped)
-            abort(h)
+            bridge.abort(h)
     if include_usage:
         yield _event(renders[0].usage_chunk(handles, n))
     yield b"data: [DONE]\n\n"

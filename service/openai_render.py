@@ -39,6 +39,7 @@ class Render(Protocol):
     def choice(self, h: RequestHandle) -> dict[str, Any]: ...
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]: ...
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]: ...
+    def stream_prompt(self, include_usage: bool) -> list[dict[str, Any]]: ...
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]: ...
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]: ...
     def usage_chunk(self, handles: list[RequestHandle], n: int) -> dict[str, Any]: ...
@@ -81,6 +82,9 @@ class _Base:
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         raise NotImplementedError
+
+    def stream_prompt(self, include_usage: bool) -> list[dict[str, Any]]:
+        return []  # (a chat streams no prompt logprobs)
 
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
         """The whole (not streamed) body: each finished handle's choice, in order (`n` a prompt)."""
@@ -255,8 +259,8 @@ class CompletionRender(_Base):
         self.handle = h
         return []
 
-    def _echoed(self, include_usage: bool) -> list[dict[str, Any]]:
-        """A stream's prompt chunk, once: when its first output came (with the prompt's tokens)."""
+    def stream_prompt(self, include_usage: bool) -> list[dict[str, Any]]:
+        """A stream's prompt chunk (its echo), once: when its first output came (with the prompt's tokens)."""
         if self.echo is None or self.echoed:
             return []
         self.echoed = True
@@ -265,10 +269,10 @@ class CompletionRender(_Base):
                               "finish_reason": None}], include_usage)]
 
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
-        return self._echoed(include_usage) + [self._chunk([{
+        return self.stream_prompt(include_usage) + [self._chunk([{
             "index": self.index, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
             "finish_reason": None}], include_usage)]
 
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
-        return self._echoed(include_usage) + [self._chunk([{
+        return self.stream_prompt(include_usage) + [self._chunk([{
             "index": self.index, "text": "", "logprobs": None, "finish_reason": _finish_reason(h)}], include_usage)]

@@ -89,3 +89,40 @@ def test_logprobs_and_prompt_logprobs_counts_stay_apart(http: httpx.Client) -> N
     assert all(len(e) == 1 for e in r["choices"][0]["prompt_logprobs"][1:])
     r = http.post("/v1/completions", json={"model": "spm", "prompt": "x", "echo": True, "logprobs": 1, "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+def test_prompt_logprobs_are_named_and_rendered_off_the_loop(http: httpx.Client, monkeypatch) -> None:
+    """A long prompt's logprobs are thousands of entries to name and render: on the tokenizer thread (in the client's
+    turn), never on the engine thread or the loop that runs every stream; whole or streamed, the answer is the same."""
+    import json
+    import threading
+
+    from service.handle import PromptScores
+    from service.openai_render import CompletionRender
+
+    seen: list[tuple[str, str]] = []
+
+    def spy(f):
+        def wrapped(*args, **kwargs):
+            seen.append((f.__name__, threading.current_thread().name))
+            return f(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(PromptScores, "named", spy(PromptScores.named))
+    monkeypatch.setattr(CompletionRender, "_echo", spy(CompletionRender._echo))
+    monkeypatch.setattr(CompletionRender, "_prompt_lps", spy(CompletionRender._prompt_lps))
+    body = {"model": "spm", "prompt": "The river runs to the sea", "max_tokens": 3, "temperature": 0.0, "echo": True,
+            "logprobs": 2}
+    whole = _complete(http, **body, prompt_logprobs=3)["choices"][0]
+    assert sorted(seen) == [("_echo", "sluice-tokenizer"), ("_prompt_lps", "sluice-tokenizer"),
+                            ("named", "sluice-tokenizer")], seen
+    seen.clear()
+    text, tokens = "", []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                (c,) = json.loads(line[6:])["choices"]
+                text += c["text"]
+                tokens += (c["logprobs"] or {}).get("tokens", [])
+    assert sorted(seen) == [("_echo", "sluice-tokenizer"), ("named", "sluice-tokenizer")], seen
+    assert text == whole["text"] and tokens == whole["logprobs"]["tokens"]
