@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from service import openai_api, ws
+from service import openai_api, openai_responses, ws
 from service.auth import AccessMiddleware
 from service.config import ServerConfig
 from service.openai_errors import error_response
@@ -88,6 +88,9 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = N
         WebSocketRoute("/ws", ws.websocket_endpoint),
         Route("/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/completions", openai_api.completions, methods=["POST"]),
+        Route("/responses", openai_responses.create_response, methods=["POST"]),
+        Route("/responses/{response_id}", openai_responses.get_response, methods=["GET"]),
+        Route("/responses/{response_id}", openai_responses.delete_response, methods=["DELETE"]),
         Route("/models", openai_api.models, methods=["GET"]),
         Route("/models/{model:path}", openai_api.model, methods=["GET"]),
     ])

@@ -61,6 +61,7 @@ class ServerConfig:
     served_model_name: str | None = None
     enable_auto_tool_choice: bool = False  # (vLLM's) chat tool_choice "auto": the answer parsed for calls
     tool_call_parser: str | None = None  # how: `hermes` (service/openai_tools.py)
+    responses_store_mb: float = 256.0  # the Responses API's stored responses (service/openai_responses.py); 0: none
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_connections: int | None = None
@@ -96,6 +97,8 @@ class ServerConfig:
             raise ValueError("--engine-iteration-timeout-s must be >= 0 (0: no watchdog)")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if not self.responses_store_mb >= 0:
+            raise ValueError("--responses-store-mb must be >= 0 (0: store no responses)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
 
@@ -238,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "with tools): its answer is parsed for calls by --tool-call-parser")
     s.add_argument("--tool-call-parser", choices=("hermes",), default=d.tool_call_parser,
                    help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes)")
+    s.add_argument("--responses-store-mb", type=float, default=d.responses_store_mb, metavar="MB",
+                   help="memory for the Responses API's stored responses (store: true, the default), which "
+                        "previous_response_id continues; least recently used out first, all lost on restart; 0: "
+                        "none kept (default: %(default)s)")
     s.add_argument("--api-key", help="require this key on /v1/* and the WebSocket")
     s.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
                    help="comma-separated Origins allowed to open WebSockets; repeatable (default: any)")

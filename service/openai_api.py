@@ -19,11 +19,11 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from engine import SamplingParams
-from service.openai_errors import HTTPError, error_body, error_response
+from service.openai_errors import HTTPError, error_response
 from service.handle import GenerateRequest, RequestError, RequestHandle, sampling_params
 from service.openai_schema import (
-    ChatCompletionRequest, CommonRequest, CompletionRequest, chat_messages, completion_prompts, decode_body,
-    refuse_unsupported, template_kwargs,
+    ChatCompletionRequest, CommonRequest, CompletionRequest, ResponsesRequest, chat_messages, completion_prompts,
+    decode_body, refuse_unsupported, template_kwargs,
 )
 from service import openai_tools
 from service.openai_render import ChatRender, CompletionRender, Render
@@ -50,7 +50,8 @@ def _from_request_error(e: RequestError, prompt_param: str | None = None) -> HTT
 
 
 def _prompt_param(body: CommonRequest) -> str:
-    return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    return ("messages" if isinstance(body, ChatCompletionRequest) else "input" if isinstance(body, ResponsesRequest)
+            else "prompt")
 
 
 def _failure(h: RequestHandle, body: CommonRequest) -> HTTPError | None:
@@ -114,46 +115,53 @@ async def chat_completions(request: Request) -> Response:
     svc: Service = request.app.state.service
     try:
         body = await _read_body(request, ChatCompletionRequest, svc.config.max_message_bytes)
-        _check_common(svc, body)
-        if not body.messages:
-            raise HTTPError(400, "messages must hold at least one message", param="messages")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise HTTPError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        kwargs = body.sampling_kwargs()
-        tools = openai_tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls,
-                                  svc.config.tool_call_parser if svc.config.enable_auto_tool_choice else None)
-        if tools.structured_output is not None:
-            if (so := kwargs.get("structured_output")) is not None:
-                raise HTTPError(400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'named'} "
-                                     f"holds the answer to its calls: it cannot be combined with {so.param}",
-                                param="tool_choice")
-            kwargs["structured_output"] = tools.structured_output
-        if body.prompt_logprobs is not None and (body.n or 1) > 1:
-            raise HTTPError(400, "n must be 1 with prompt_logprobs: each choice would compute its prompt again",
-                            param="n")
-        params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
-                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None, **kwargs)
-        continue_final = bool(body.continue_final_message)
-        add_generation_prompt = body.add_generation_prompt if body.add_generation_prompt is not None else (
-            not continue_final)  # (vLLM's default is true, which continue_final_message must turn off)
-        if add_generation_prompt and continue_final:
-            raise HTTPError(400, "continue_final_message and add_generation_prompt cannot both be true: the last "
-                                 "message is either continued or followed by a new turn", param="continue_final_message")
-        messages = chat_messages(body)
-        req = GenerateRequest(prompt=messages, chat=True, params=params, api="chat", client=_peer(request),
-                              fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
-                              add_special_tokens=body.add_special_tokens, add_generation_prompt=add_generation_prompt,
-                              continue_final_message=continue_final, truncate_prompt_tokens=_truncation(svc, body),
-                              tools=tools.tools, documents=body.documents, template_kwargs=template_kwargs(body))
-        echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
-        render = ChatRender(svc.model_name, body.logprobs, echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
-                            tools=tools if tools.mode != "none" else None,
-                            prompt_logprobs=body.prompt_logprobs)
+        req, render = chat_request(svc, body, _peer(request))
         return await _generate(request, svc, [req], render, body)
     except RequestError as e:
         return _error(_from_request_error(e))
     except HTTPError as e:
         return _error(e)
+
+
+def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
+                 api: str = "chat") -> tuple[GenerateRequest, ChatRender]:
+    """A chat body, checked: the engine request it makes and its renderer (also the Responses API's:
+    service/openai_responses.py)."""
+    _check_common(svc, body)
+    if not body.messages:
+        raise HTTPError(400, "messages must hold at least one message", param="messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise HTTPError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    kwargs = body.sampling_kwargs()
+    tools = openai_tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                              svc.config.tool_call_parser if svc.config.enable_auto_tool_choice else None)
+    if tools.structured_output is not None:
+        if (so := kwargs.get("structured_output")) is not None:
+            raise HTTPError(400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'named'} "
+                                 f"holds the answer to its calls: it cannot be combined with {so.param}",
+                            param="tool_choice")
+        kwargs["structured_output"] = tools.structured_output
+    if body.prompt_logprobs is not None and (body.n or 1) > 1:
+        raise HTTPError(400, "n must be 1 with prompt_logprobs: each choice would compute its prompt again",
+                        param="n")
+    params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
+                             logprobs=(body.top_logprobs or 0) if body.logprobs else None, **kwargs)
+    continue_final = bool(body.continue_final_message)
+    add_generation_prompt = body.add_generation_prompt if body.add_generation_prompt is not None else (
+        not continue_final)  # (vLLM's default is true, which continue_final_message must turn off)
+    if add_generation_prompt and continue_final:
+        raise HTTPError(400, "continue_final_message and add_generation_prompt cannot both be true: the last "
+                             "message is either continued or followed by a new turn", param="continue_final_message")
+    messages = chat_messages(body)
+    req = GenerateRequest(prompt=messages, chat=True, params=params, api=api, client=client,
+                          fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
+                          add_special_tokens=body.add_special_tokens, add_generation_prompt=add_generation_prompt,
+                          continue_final_message=continue_final, truncate_prompt_tokens=_truncation(svc, body),
+                          tools=tools.tools, documents=body.documents, template_kwargs=template_kwargs(body))
+    echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
+    render = ChatRender(svc.model_name, bool(body.logprobs), echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
+                        tools=tools if tools.mode != "none" else None, prompt_logprobs=body.prompt_logprobs)
+    return req, render
 
 
 async def completions(request: Request) -> Response:
@@ -305,7 +313,7 @@ def _encoded(bridge: EngineBridge, render: Render, renders: list[Render], handle
 def _prompt_events(bridge: EngineBridge, h: RequestHandle, r: Render, include_usage: bool) -> list[bytes]:
     """A stream's chunks of its prompt (completions' echo with logprobs), once they came: on the tokenizer thread."""
     bridge.name_prompt_logprobs(h)
-    return [_event(chunk) for chunk in r.stream_prompt(include_usage)]
+    return [r.event(chunk) for chunk in r.stream_prompt(include_usage)]
 
 
 async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, event: asyncio.Event,
@@ -315,7 +323,7 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, even
     are aborted. A prompt's logprobs (completions' echo) are named and rendered off the loop, as `_encoded`."""
     for r, h in zip(renders, handles):
         for chunk in r.stream_start(h, include_usage):
-            yield _event(chunk)
+            yield r.event(chunk)
     running = dict(zip(handles, renders))
     try:
         while running:
@@ -328,28 +336,25 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, even
                         yield e
                 if text or lps:
                     for chunk in r.stream_delta(text, lps, include_usage):
-                        yield _event(chunk)
+                        yield r.event(chunk)
                 if not done:
                     continue
                 del running[h]
                 if (e := _failure(h, body)) is not None:
-                    yield _event(error_body(e.status, e.message, None, e.param, e.code))
-                    yield b"data: [DONE]\n\n"
+                    for event in r.stream_failed(h, e):
+                        yield event
                     return
                 for chunk in r.stream_end(h, include_usage):
-                    yield _event(chunk)
+                    yield r.event(chunk)
             if running:
                 await event.wait()
     finally:
         for h in running:  # (a choice failed, or the stream stopped)
             bridge.abort(h)
     if include_usage:
-        yield _event(renders[0].usage_chunk(handles, n))
-    yield b"data: [DONE]\n\n"
-
-
-def _event(obj: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+        yield renders[0].event(renders[0].usage_chunk(handles, n))
+    if renders[0].DONE:
+        yield renders[0].DONE
 
 
 class SSEResponse(Response):

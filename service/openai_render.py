@@ -9,7 +9,10 @@ import time
 import uuid
 from typing import Any, Protocol
 
+import msgspec
+
 from service import openai_tools
+from service.openai_errors import HTTPError, error_body
 from service.handle import PromptLogprobs, RequestHandle, TokenLogprobs
 from service.openai_tools import ToolPlan, ToolStream
 
@@ -43,10 +46,14 @@ class Render(Protocol):
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]: ...
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]: ...
     def usage_chunk(self, handles: list[RequestHandle], n: int) -> dict[str, Any]: ...
+    def event(self, chunk: dict[str, Any]) -> bytes: ...
+    def stream_failed(self, h: RequestHandle, e: HTTPError) -> list[bytes]: ...
+    DONE: bytes
 
 
 class _Base:
     ID_PREFIX = OBJECT = CHUNK_OBJECT = ""
+    DONE = b"data: [DONE]\n\n"  # a stream's last event
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: _Base | None = None, *,
                  token_ids: bool = False, prompt_logprobs: int | None = None) -> None:
@@ -85,6 +92,14 @@ class _Base:
 
     def stream_prompt(self, include_usage: bool) -> list[dict[str, Any]]:
         return []  # (a chat streams no prompt logprobs)
+
+    def event(self, chunk: dict[str, Any]) -> bytes:
+        """A chunk as a server-sent event."""
+        return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+    def stream_failed(self, h: RequestHandle, e: HTTPError) -> list[bytes]:
+        """The events that end a stream whose choice failed: the error's body, as a response's would be."""
+        return [self.event(error_body(e.status, e.message, None, e.param, e.code)), self.DONE]
 
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
         """The whole (not streamed) body: each finished handle's choice, in order (`n` a prompt)."""

@@ -151,6 +151,80 @@ class CompletionRequest(CommonRequest):
     best_of: int | None = None
 
 
+class _ResponsePart(Struct):
+    type: str  # input_text, output_text (what a message says); anything else is refused
+    text: str | None = None
+
+
+class ResponseInputItem(Struct):
+    """One item of a Responses API `input`: a message (`type` "message", the default), a `function_call` the model made
+    or a `function_call_output` (its result)."""
+    type: str = "message"
+    role: str | None = None
+    content: str | list[_ResponsePart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[_ResponsePart] | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseTool(Struct):
+    type: str  # "function": the Responses API's flat form of a chat tool
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseToolChoice(Struct):
+    type: str
+    name: str | None = None
+
+
+class ResponseTextFormat(Struct):
+    type: str  # text, json_object or json_schema
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseText(Struct):
+    format: ResponseTextFormat | None = None
+    verbosity: Any = None
+
+
+MetadataKey = Annotated[str, Meta(max_length=64)]
+MetadataValue = Annotated[str, Meta(max_length=512)]
+
+
+class ResponsesRequest(CommonRequest):
+    """The Responses API's body (POST /v1/responses: service/openai_responses.py). Its sampling fields are the common
+    ones (vLLM's extensions too); chat's own that have a Responses name are refused under chat's."""
+    input: str | list[ResponseInputItem] = ""
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: str | ResponseToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponseText | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Meta(max_length=16)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    user: str | None = None
+    # refused unless neutral (service/openai_responses.py): each would change the answer or what is kept
+    background: Any = None
+    reasoning: Any = None
+    prompt: Any = None
+    conversation: Any = None
+    max_tool_calls: Any = None
+
+
 # parameter -> (the values that leave the output as Sluice makes it, besides null or leaving it out; what is missing)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": (([],), "give them as `tools`"),

@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
@@ -145,3 +148,31 @@ def idle_service(**config: Any) -> Service:
         raise AssertionError("these tests never start the engine")
 
     return Service(ServerConfig(**config), no_engine)
+
+
+# a Hermes-style template (Qwen2.5's, shortened) for the tool-calling tests: the tools in a system turn, calls and
+# results in their own
+TOOLS_TEMPLATE = (
+    "{%- if enable_thinking is defined and not enable_thinking %}<|im_start|>system\nno thinking<|im_end|>\n"
+    "{% endif %}"
+    "{%- if documents %}<|im_start|>system\n{% for d in documents %}{{ d['title'] }}: {{ d['text'] }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and 'tool_calls' in m %}<|im_start|>assistant\n"
+    "{% for c in m['tool_calls'] %}<tool_call>{{ {'name': c['function']['name'], 'arguments': "
+    "c['function']['arguments']} | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model under `TOOLS_TEMPLATE`."""
+    out = tmp_path_factory.mktemp("tools-model")
+    for f in tiny_model_dir.iterdir():
+        (out / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy(f, out / f.name)
+    (out / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return out

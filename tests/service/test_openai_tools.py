@@ -4,7 +4,6 @@ named, required and auto answers come back as calls, streamed and not, through t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -28,21 +27,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-# a Hermes-style template (Qwen2.5's, shortened): the tools in a system turn, calls and results in their own
-TEMPLATE = (
-    "{%- if enable_thinking is defined and not enable_thinking %}<|im_start|>system\nno thinking<|im_end|>\n"
-    "{% endif %}"
-    "{%- if documents %}<|im_start|>system\n{% for d in documents %}{{ d['title'] }}: {{ d['text'] }}\n{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
-    "{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'assistant' and 'tool_calls' in m %}<|im_start|>assistant\n"
-    "{% for c in m['tool_calls'] %}<tool_call>{{ {'name': c['function']['name'], 'arguments': "
-    "c['function']['arguments']} | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def _tools(*names: str) -> list[Tool]:
@@ -128,15 +112,6 @@ def test_hermes_streamed_anyhow_gives_the_whole_answer(text: str) -> None:
             assert (content or "").count("<tool_call>") == text.count("<tool_call>") - len(calls)
         else:
             assert streamed == text == content
-
-
-@pytest.fixture(scope="module")
-def tools_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tools-model")
-    for f in tiny_model_dir.iterdir():
-        (out / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy(f, out / f.name)
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    return out
 
 
 @pytest.fixture(scope="module")

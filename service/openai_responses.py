@@ -1,0 +1,398 @@
+"""OpenAI's Responses API: POST /v1/responses (whole or streamed), GET and DELETE /v1/responses/{id}.
+
+A response is one chat turn. Its `instructions`, the conversation of its `previous_response_id` and its `input` items
+(messages, the model's function calls and their outputs) make a chat request, checked and sampled as
+/v1/chat/completions' are (`openai_api.chat_request`: tools, structured output, logprobs); the answer's text and tool
+calls become its output items, and a stream sends the Responses API's typed events. `store` (OpenAI's default: true)
+keeps the response in this server's memory (`ResponseStore`, bounded by --responses-store-mb, least recently used
+out first), so a later request continues it by id and GET / DELETE find it; a restart forgets them all.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from service.handle import RequestError, RequestHandle, TokenLogprobs
+from service.openai_api import _error, _from_request_error, _generate, _peer, _read_body, chat_request
+from service.openai_errors import HTTPError, error_response
+from service.openai_render import ChatRender, Render
+from service.response_store import TooLong
+from service.openai_schema import (
+    ChatCompletionRequest, CommonRequest, ResponseInputItem, ResponsesRequest, _Message,
+)
+from service.openai_tools import FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, _FunctionName
+
+if TYPE_CHECKING:
+    from service.state import Service
+
+LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the answer's logprobs
+
+
+# ---- a request as a chat --------------------------------------------------------------------------------------
+_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {  # (as openai_schema._UNSUPPORTED): neutral values, what to do
+    "background": ((False,), "no background mode: ask without it"),
+    "prompt": ((), "no stored prompt templates: give the input"),
+    "conversation": ((), "no Conversations API: continue with previous_response_id"),
+    "reasoning": (({}, {"effort": None}, {"effort": None, "summary": None}), "this model does not reason"),
+    "truncation": (("disabled",), "a conversation longer than the context is refused, never cut"),
+    "max_tool_calls": ((), "no built-in tools"),
+    "max_tokens": ((), "the Responses API's name is max_output_tokens"),
+    "response_format": ((), "the Responses API's name is text.format"),
+    "stream_options": ((), "not in the Responses API"),
+    "prompt_logprobs": ((), "not in the Responses API"),
+}
+
+
+def _refuse(body: ResponsesRequest) -> None:
+    for name, (neutral, missing) in _REFUSED.items():
+        value = getattr(body, name)
+        if value is not None and value not in neutral:
+            raise HTTPError(400, f"`{name}` is not supported by this server ({missing}); leave it out", param=name,
+                            code="unsupported_parameter")
+    if body.n not in (None, 1):
+        raise HTTPError(400, "a response has one answer: n is not in the Responses API", param="n",
+                        code="unsupported_parameter")
+
+
+def _text(content: str | list[Any] | None, at: str) -> str:
+    """A message's or a function output's text: a string, or its text parts joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type not in ("input_text", "output_text", "text"):
+            raise HTTPError(400, f"{at}[{j}].type {part.type!r}: only text is supported", param=f"{at}[{j}].type",
+                            code="unsupported_parameter")
+    return "".join(part.text or "" for part in content)
+
+
+def _messages(items: str | list[ResponseInputItem]) -> list[_Message]:
+    """`input` as chat messages: a function call joins the assistant message before it (one turn: its text and its
+    calls), and its output is a tool message."""
+    if isinstance(items, str):
+        return [_Message("user", items)]
+    out: list[_Message] = []
+    for i, item in enumerate(items):
+        at = f"input[{i}]"
+        if item.type == "message":
+            if item.role not in ("user", "system", "developer", "assistant"):
+                raise HTTPError(400, f"{at}.role must be user, system, developer or assistant, got {item.role!r}",
+                                param=f"{at}.role")
+            out.append(_Message(item.role, _text(item.content, f"{at}.content")))
+        elif item.type == "function_call":
+            if not (item.call_id and item.name and item.arguments is not None):
+                raise HTTPError(400, f"{at}: a function_call needs its call_id, name and arguments", param=at)
+            call = ToolCall(item.call_id, FunctionCall(item.name, item.arguments))
+            if out and out[-1].role == "assistant":
+                out[-1].tool_calls = [*(out[-1].tool_calls or ()), call]
+            else:
+                out.append(_Message("assistant", None, tool_calls=[call]))
+        elif item.type == "function_call_output":
+            if not item.call_id:
+                raise HTTPError(400, f"{at}: a function_call_output needs the call_id of its call",
+                                param=f"{at}.call_id")
+            out.append(_Message("tool", _text(item.output, f"{at}.output"), tool_call_id=item.call_id))
+        else:
+            raise HTTPError(400, f"{at}.type {item.type!r} is not supported: give messages, function_call and "
+                                 "function_call_output items", param=f"{at}.type", code="unsupported_parameter")
+    return out
+
+
+def _tools(body: ResponsesRequest) -> tuple[list[Tool] | None, str | NamedToolChoice | None]:
+    tools = None
+    if body.tools is not None:
+        tools = []
+        for i, t in enumerate(body.tools):
+            if t.type != "function":
+                raise HTTPError(400, f"tools[{i}].type {t.type!r}: only function tools are supported (no built-in "
+                                     "tools)", param=f"tools[{i}].type", code="unsupported_parameter")
+            if t.name is None:
+                raise HTTPError(400, f"tools[{i}] needs a name", param=f"tools[{i}].name")
+            tools.append(Tool("function", FunctionDef(t.name, t.description, t.parameters, t.strict)))
+    choice = body.tool_choice
+    if choice is None or isinstance(choice, str):
+        return tools, choice
+    if choice.type != "function" or choice.name is None:
+        raise HTTPError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
+                        param="tool_choice")
+    return tools, NamedToolChoice("function", _FunctionName(choice.name))
+
+
+def _format(body: ResponsesRequest) -> dict[str, Any] | None:
+    """`text.format` as chat's `response_format`."""
+    f = body.text.format if body.text is not None else None
+    if f is None or f.type == "text":
+        return None
+    if f.type == "json_object":
+        return {"type": "json_object"}
+    if f.type == "json_schema":
+        schema = {k: v for k, v in (("name", f.name), ("schema", f.schema), ("description", f.description),
+                                    ("strict", f.strict)) if v is not None}
+        return {"type": "json_schema", "json_schema": schema}
+    raise HTTPError(400, f"text.format.type must be text, json_object or json_schema, got {f.type!r}",
+                    param="text.format.type")
+
+
+def as_chat(body: ResponsesRequest, history: list[_Message]) -> tuple[ChatCompletionRequest, list[_Message]]:
+    """The chat request a response is, and its turn's input messages (what the store keeps of them)."""
+    _refuse(body)
+    turn = _messages(body.input)
+    if not turn:
+        raise HTTPError(400, "input must hold at least one item", param="input")
+    instructions = [_Message("system", body.instructions)] if body.instructions else []
+    tools, tool_choice = _tools(body)
+    logprobs = LOGPROBS in (body.include or ()) or body.top_logprobs is not None
+    common = {name: getattr(body, name) for name in CommonRequest.__struct_fields__}
+    common.update(max_tokens=None, response_format=_format(body), stream_options=None, n=None)
+    chat = ChatCompletionRequest(**common, messages=[*instructions, *history, *turn],
+                                 max_completion_tokens=body.max_output_tokens, logprobs=logprobs,
+                                 top_logprobs=(body.top_logprobs or 0) if logprobs else None, tools=tools,
+                                 tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls)
+    return chat, turn
+
+
+# ---- rendering ---------------------------------------------------------------------------------------------------
+def _usage(h: RequestHandle) -> dict[str, Any]:
+    prompt, completion = h.prompt_tokens or 0, h.completion_tokens
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": h.cached_tokens},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def _message_item(item_id: str, text: str, logprobs: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant",
+            "content": [] if status == "in_progress" else [_part(text, logprobs)]}
+
+
+def _part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesRender:
+    """A response's body and its stream's events, over the chat renderer of its answer (its text, tool calls and
+    logprobs as /v1/chat/completions makes them). Implements openai_render.Render; `done` is called with the final
+    response object and the answer's message (the store's)."""
+
+    DONE = b""  # (no `[DONE]`: the last event is the response's own)
+
+    def __init__(self, chat: ChatRender, body: ResponsesRequest, model: str, done: Any) -> None:
+        self.chat = chat
+        self.body = body
+        self.model = model
+        self.done = done
+        self.logprobs = chat.logprobs
+        self.id = _item_id("resp")
+        self.created = int(time.time())
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []  # a stream's finished output items
+        self.open: dict[str, Any] | None = None  # the item being streamed: a message or a function call
+        self.calls: dict[int, dict[str, Any]] = {}  # the stream's function calls by the chat renderer's index
+
+    def siblings(self, n: int) -> list[Render]:
+        return [self]  # type: ignore[list-item]
+
+    # -- the response object
+    def _object(self, status: str, output: list[dict[str, Any]], h: RequestHandle | None,
+                error: dict[str, Any] | None = None) -> dict[str, Any]:
+        b = self.body
+        text = b.text.format if b.text is not None and b.text.format is not None else None
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "background": False,
+                "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
+                "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
+                "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "store": b.store is not False, "temperature": 1.0 if b.temperature is None else b.temperature,
+                "text": {"format": msgspec.to_builtins(text) if text is not None else {"type": "text"}},
+                "tool_choice": msgspec.to_builtins(b.tool_choice) if b.tool_choice is not None else "auto",
+                "tools": msgspec.to_builtins(b.tools or []), "top_logprobs": b.top_logprobs or 0,
+                "top_p": 1.0 if b.top_p is None else b.top_p, "truncation": "disabled",
+                "usage": _usage(h) if h is not None else None, "user": b.user, "metadata": b.metadata or {}}
+
+    def _finish(self, h: RequestHandle, output: list[dict[str, Any]], reason: str) -> dict[str, Any]:
+        body = self._object("incomplete" if reason == "length" else "completed", output, h)
+        content = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+        calls = [ToolCall(i["call_id"], FunctionCall(i["name"], i["arguments"]))
+                 for i in output if i["type"] == "function_call"]
+        self.done(body, _Message("assistant", content if content or not calls else None, tool_calls=calls or None))
+        return body
+
+    def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
+        h = handles[0]
+        choice = self.chat.choice(h)
+        message, reason = choice["message"], choice["finish_reason"]
+        status = "incomplete" if reason == "length" else "completed"
+        output = []
+        calls = message.get("tool_calls") or []
+        if message["content"] is not None and (message["content"] or not calls):
+            lps = choice["logprobs"]["content"] if choice["logprobs"] else []
+            output.append(_message_item(_item_id("msg"), message["content"], lps, status))
+        output += [_call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
+                   for c in calls]
+        return self._finish(h, output, reason)
+
+    # -- the stream
+    def event(self, chunk: dict[str, Any]) -> bytes:
+        return b"event: " + chunk["type"].encode() + b"\ndata: " + msgspec.json.encode(chunk) + b"\n\n"
+
+    def _event(self, type_: str, **fields: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": type_, "sequence_number": self.seq - 1, **fields}
+
+    def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
+        response = self._object("in_progress", [], None)
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def stream_prompt(self, include_usage: bool) -> list[dict[str, Any]]:
+        return []
+
+    def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
+        return self._from_chat(self.chat.stream_delta(text, lps, False))
+
+    def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
+        chunks = self.chat.stream_end(h, False)
+        events = self._from_chat(chunks)
+        reason = chunks[-1]["choices"][0]["finish_reason"]
+        if not self.items and self.open is None:  # (an empty answer is an empty message, as a whole response's)
+            events += self._open_message()
+        events += self._close("incomplete" if reason == "length" else "completed")
+        body = self._finish(h, self.items, reason)
+        return events + [self._event(f"response.{body['status']}", response=body)]
+
+    def stream_failed(self, h: RequestHandle, e: HTTPError) -> list[bytes]:
+        error = {"code": e.code or "server_error", "message": e.message}
+        return [self.event(self._event("response.failed", response=self._object("failed", self.items, h, error)))]
+
+    def usage_chunk(self, handles: list[RequestHandle], n: int) -> dict[str, Any]:
+        raise AssertionError("a response's usage is in its last event")  # (no stream_options)
+
+    def _from_chat(self, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chat renderer's chunks as the Responses API's events: text into the open message, each tool call an
+        item of its own (one item is open at a time)."""
+        events: list[dict[str, Any]] = []
+        for chunk in chunks:
+            choice = chunk["choices"][0]
+            delta = choice["delta"]
+            if "content" in delta:
+                if self.open is None or self.open["type"] != "message":
+                    events += self._close("completed") + self._open_message()
+                lps = choice["logprobs"]["content"] if choice["logprobs"] else []
+                self.open["text"] += delta["content"]  # type: ignore[index]
+                self.open["logprobs"] += lps  # type: ignore[index]
+                events.append(self._event("response.output_text.delta", item_id=self.open["id"],  # type: ignore[index]
+                                          output_index=len(self.items), content_index=0, delta=delta["content"],
+                                          logprobs=lps))
+            for call in delta.get("tool_calls", ()):
+                if "id" in call:  # a new call
+                    events += self._close("completed")
+                    self.open = self.calls[call["index"]] = {"type": "function_call", "id": _item_id("fc"),
+                                                             "call_id": call["id"], "name": call["function"]["name"],
+                                                             "arguments": ""}
+                    item = _call_item(self.open["id"], call["id"], self.open["name"], "", "in_progress")
+                    events.append(self._event("response.output_item.added", output_index=len(self.items), item=item))
+                args = call["function"].get("arguments") or ""
+                if args:
+                    self.calls[call["index"]]["arguments"] += args
+                    events.append(self._event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                              output_index=len(self.items), delta=args))
+        return events
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        self.open = {"type": "message", "id": _item_id("msg"), "text": "", "logprobs": []}
+        at = len(self.items)
+        return [self._event("response.output_item.added", output_index=at,
+                            item=_message_item(self.open["id"], "", [], "in_progress")),
+                self._event("response.content_part.added", item_id=self.open["id"], output_index=at, content_index=0,
+                            part=_part("", []))]
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        """The open item's closing events; it joins the output."""
+        o, self.open, at = self.open, None, len(self.items)
+        if o is None:
+            return []
+        if o["type"] == "message":
+            item = _message_item(o["id"], o["text"], o["logprobs"], status)
+            events = [self._event("response.output_text.done", item_id=o["id"], output_index=at, content_index=0,
+                                  text=o["text"], logprobs=o["logprobs"]),
+                      self._event("response.content_part.done", item_id=o["id"], output_index=at, content_index=0,
+                                  part=item["content"][0])]
+        else:
+            item = _call_item(o["id"], o["call_id"], o["name"], o["arguments"], "completed")
+            events = [self._event("response.function_call_arguments.done", item_id=o["id"], output_index=at,
+                                  name=o["name"], arguments=o["arguments"])]
+        self.items.append(item)
+        return events + [self._event("response.output_item.done", output_index=at, item=item)]
+
+
+# ---- routes ----------------------------------------------------------------------------------------------------
+async def create_response(request: Request) -> Response:
+    svc: Service = request.app.state.service
+    try:
+        body = await _read_body(request, ResponsesRequest, svc.config.max_message_bytes)
+        history: list[_Message] = []
+        if body.previous_response_id is not None:
+            try:  # (every message takes a token at least: more than the context's tokens cannot fit)
+                found = svc.responses.conversation(body.previous_response_id, svc.bridge.max_model_len)
+            except TooLong as e:
+                raise HTTPError(400, f"{e}: more than the context ({svc.bridge.max_model_len} tokens) holds",
+                                param="previous_response_id", code="context_length_exceeded") from None
+            if found is None:
+                raise HTTPError(400, f"Previous response with id '{body.previous_response_id}' not found.",
+                                param="previous_response_id", code="previous_response_not_found")
+            history = found
+        chat, turn = as_chat(body, history)
+        req, chat_render = chat_request(svc, chat, _peer(request), api="responses")
+        store, loop = body.store is not False, asyncio.get_running_loop()
+
+        def done(response: dict[str, Any], answer: _Message) -> None:
+            """On the loop or the tokenizer thread (a response with logprobs is made there): the store is the
+            loop's."""
+            if store:
+                loop.call_soon_threadsafe(svc.responses.put, response, [*turn, answer], body.previous_response_id)
+
+        render = ResponsesRender(chat_render, body, svc.model_name, done)
+        return await _generate(request, svc, [req], render, body)  # type: ignore[arg-type]
+    except RequestError as e:
+        return _error(_from_request_error(e, "input"))
+    except HTTPError as e:
+        return _error(e)
+
+
+def _stored(request: Request) -> tuple[Service, str]:
+    return request.app.state.service, request.path_params["response_id"]
+
+
+def _not_found(response_id: str) -> Response:
+    return error_response(404, f"Response with id '{response_id}' not found.", param="response_id",
+                          code="response_not_found")
+
+
+async def get_response(request: Request) -> Response:
+    svc, response_id = _stored(request)
+    stored = svc.responses.get(response_id)
+    if stored is None:
+        return _not_found(response_id)
+    return Response(msgspec.json.encode(stored.body), media_type="application/json")
+
+
+async def delete_response(request: Request) -> Response:
+    svc, response_id = _stored(request)
+    if not svc.responses.delete(response_id):
+        return _not_found(response_id)
+    return Response(msgspec.json.encode({"id": response_id, "object": "response", "deleted": True}),
+                    media_type="application/json")
+

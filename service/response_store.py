@@ -1,0 +1,72 @@
+"""`ResponseStore`: the Responses API's stored responses (service/openai_responses.py), in memory, bounded; on the loop
+only."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from service.openai_schema import _Message
+
+
+@dataclass
+class _Stored:
+    body: dict[str, Any]  # the response object, as it was answered
+    turn: list[_Message]  # its input messages, then its answer's (what a later turn's conversation takes from it)
+    previous: str | None  # the response it continued
+    size: int  # bytes: the body's and the turn's JSON
+
+
+class ResponseStore:
+    """Stored responses by id, at most `max_bytes` of their JSON; the least recently used go first. A response keeps
+    only its own turn and its predecessor's id, so a conversation costs what its turns do, once; one whose earlier
+    turns were evicted (or deleted) can no longer be continued."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, _Stored] = OrderedDict()
+        self._bytes = 0
+
+    def put(self, body: dict[str, Any], turn: list[_Message], previous: str | None) -> None:
+        size = len(msgspec.json.encode(body)) + len(msgspec.json.encode(turn))
+        if size > self.max_bytes:
+            return  # (larger than the whole store: not kept, as with no store)
+        self._items[body["id"]] = _Stored(body, turn, previous, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            self._bytes -= self._items.popitem(last=False)[1].size
+
+    def get(self, response_id: str) -> _Stored | None:
+        stored = self._items.get(response_id)
+        if stored is not None:
+            self._items.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> bool:
+        stored = self._items.pop(response_id, None)
+        if stored is not None:
+            self._bytes -= stored.size
+        return stored is not None
+
+    def conversation(self, response_id: str, max_messages: int) -> list[_Message] | None:
+        """The messages of the conversation that `response_id` ended, oldest first; None if any of its turns is gone.
+        Raises `TooLong` past `max_messages` (a chain of a million one-token turns is not walked to its end)."""
+        turns: list[list[_Message]] = []
+        at: str | None = response_id
+        count = 0
+        while at is not None:
+            stored = self.get(at)
+            if stored is None:
+                return None
+            turns.append(stored.turn)
+            count += len(stored.turn)
+            if count > max_messages:
+                raise TooLong(f"the conversation of previous_response_id has more than {max_messages} messages")
+            at = stored.previous
+        return [m for turn in reversed(turns) for m in turn]
+
+
+class TooLong(Exception):
+    pass

@@ -1,0 +1,195 @@
+"""OpenAI's Responses API (service/openai_responses.py) through the official `openai` client against a real server
+(the tiny model under a template that shows tools): a response is the chat turn its instructions and input make, whole
+or streamed as typed events the client's stream helper accepts; stored responses continue by id, are read and
+deleted; function tools, text formats and logprobs; what it cannot serve is refused, naming the field."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from service.app import build_app
+from service.config import ServerConfig
+from service.response_store import ResponseStore, TooLong
+from service.openai_schema import _Message
+from tests.service.conftest import in_process
+from tests.service.test_openai_tools import WEATHER
+
+MODEL = "responses-model"
+TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}
+# the tiny model's random weights never end an answer: a regex makes one that does (its end, the end token's)
+ENDS = {"guided_regex": r"Hello( big| small){0,3} world\."}
+
+
+@pytest.fixture(scope="module")
+def server(tools_model_dir):
+    config = ServerConfig(model=str(tools_model_dir), served_model_name=MODEL, num_kv_blocks=256, max_model_len=1024,
+                          engine_process=False)
+    with in_process(build_app(config), "responses-server") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _streamed(client: openai.OpenAI, **kw):
+    """The stream's event types and the response the client's helper put together from its events."""
+    with client.responses.stream(model=MODEL, **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return [e.type for e in events], final
+
+
+def test_a_response_is_the_chat_turn_its_input_makes(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, instructions="Be brief.", input="Tell me about rivers.",
+                                max_output_tokens=12, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about rivers."}])
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # (cut at 12 tokens)
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
+    assert r.usage.total_tokens == r.usage.input_tokens + 12 and r.instructions == "Be brief."
+    # input as items: messages with text parts say the same
+    items = client.responses.create(model=MODEL, instructions="Be brief.", max_output_tokens=12, temperature=0, input=[
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me about "},
+                                                        {"type": "input_text", "text": "rivers."}]}])
+    assert items.output_text == r.output_text
+
+
+def test_a_stream_sends_the_events_the_client_puts_together(client: openai.OpenAI) -> None:
+    kw = dict(input="Say hello.", max_output_tokens=30, temperature=0, extra_body=ENDS)
+    whole = client.responses.create(model=MODEL, **kw)
+    types, final = _streamed(client, **kw)
+    assert whole.status == final.status == "completed" and final.output_text == whole.output_text
+    assert whole.output_text.startswith("Hello") and whole.output_text.endswith("world.")
+    deltas = types.count("response.output_text.delta")
+    assert deltas >= 2 and types == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        *["response.output_text.delta"] * deltas, "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    # cut short: the last event says so (the client's helper only finishes a completed response)
+    with client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=3, stream=True) as events:
+        last = list(events)[-1]
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.usage.output_tokens == 3
+
+
+def test_stored_responses_continue_and_can_be_read_and_deleted(client: openai.OpenAI, server) -> None:
+    first = client.responses.create(model=MODEL, input="Name a river.", max_output_tokens=6, temperature=0)
+    second = client.responses.create(model=MODEL, input="And another.", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "Name a river."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And another."}])
+    assert second.previous_response_id == first.id and second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with httpx.Client(base_url=f"{server.url}/v1", timeout=60) as http:
+        r = http.get(f"/responses/{first.id}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.text
+        assert http.delete(f"/responses/{first.id}").status_code == 404
+        # a conversation whose turn is gone cannot go on
+        r = http.post("/responses", json={"model": MODEL, "input": "More.", "previous_response_id": second.id})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
+        # store false: answered, not kept
+        r = http.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2, "store": False})
+        assert r.status_code == 200 and r.json()["store"] is False
+        assert http.get(f"/responses/{r.json()['id']}").status_code == 404
+
+
+def test_function_calls_and_their_outputs(client: openai.OpenAI) -> None:
+    kw = dict(input="What is the weather in Paris?", tools=[TOOL], max_output_tokens=100, temperature=0,
+              tool_choice={"type": "function", "name": "get_weather"})
+    r = client.responses.create(model=MODEL, **kw)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    types, final = _streamed(client, **kw)
+    assert [(c.type, c.name, c.arguments) for c in final.output] == [("function_call", "get_weather", call.arguments)]
+    assert types[2] == "response.output_item.added" and types[-3:] == [
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    # the call's output goes back in the next turn, after the stored call (the tools are each request's own)
+    again = dict(tools=[TOOL], tool_choice="none", max_output_tokens=4, temperature=0)
+    answer = client.responses.create(model=MODEL, previous_response_id=r.id, **again, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "21 degrees and sunny"}])
+    assert answer.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
+    # the same conversation given whole, without the store
+    whole = client.responses.create(model=MODEL, **again, store=False, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "21 degrees and sunny"}])
+    assert (whole.output_text, whole.usage.input_tokens) == (answer.output_text, answer.usage.input_tokens)
+
+
+def test_text_format_and_logprobs(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"river": {"enum": ["Nile", "Rhine"]}}, "required": ["river"],
+              "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="A river?", max_output_tokens=60, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "river", "schema": schema}},
+                                include=["message.output_text.logprobs"], top_logprobs=2)
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema" and r.status == "completed"
+    lps = r.output[0].content[0].logprobs
+    # every token's, the end token's last (named, as chat's logprobs name it)
+    assert "".join(e.token for e in lps[:-1]) == r.output_text and lps[-1].token == "<|im_end|>"
+    assert len(lps) == r.usage.output_tokens and all(len(e.top_logprobs) == 2 for e in lps)
+    # (a response with logprobs is made on the tokenizer thread: stored all the same)
+    assert client.responses.retrieve(r.id).output[0].content[0].logprobs == lps
+    _, final = _streamed(client, input="A river?", max_output_tokens=60, temperature=0, top_logprobs=2,
+                         text={"format": {"type": "json_schema", "name": "river", "schema": schema}})
+    assert [e.token for e in final.output[0].content[0].logprobs] == [e.token for e in lps]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": 5}, "max_tokens"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": []}, "input"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"input": "x" * 70_000}, "input"),  # (longer than the context could ever hold)
+])
+def test_what_cannot_be_served_is_refused(server, extra: dict, param: str) -> None:
+    with httpx.Client(base_url=f"{server.url}/v1", timeout=60) as http:
+        r = http.post("/responses", json={"model": MODEL, "input": "Hi", **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_store_keeps_what_its_bound_holds() -> None:
+    """Least recently used out first; a conversation one of whose turns is gone has no history; a response larger than
+    the whole store is not kept."""
+    store = ResponseStore(max_bytes=2_000)
+
+    def put(i: str, previous: str | None = None, size: int = 100) -> None:
+        store.put({"id": i, "text": "x" * size}, [_Message("user", i)], previous)
+
+    put("a")
+    put("b", "a")
+    assert [m.content for m in store.conversation("b", 10)] == ["a", "b"]
+    with pytest.raises(TooLong):  # (more messages than the context has tokens: not walked further)
+        store.conversation("b", 1)
+    for i in range(12):  # ~150 bytes each: "a" goes first, then "b"
+        put(f"c{i}")
+        store.get("b")  # (b is used: a, the oldest, goes first)
+    assert store.get("a") is None and store.conversation("b", 10) is None and store.get("b") is not None
+    put("huge", size=5_000)
+    assert store.get("huge") is None
+    assert store.delete("c11") and not store.delete("c11")
