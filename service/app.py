@@ -94,7 +94,9 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = N
         Route("/models", openai_api.models, methods=["GET"]),
         Route("/models/{model:path}", openai_api.model, methods=["GET"]),
     ])
-    routes: list[Any] = [Route("/health", health), Route("/metrics", metrics), api]
+    routes: list[Any] = [Route("/health", health), Route("/metrics", metrics), api,
+                         Route("/tokenize", openai_api.tokenize, methods=["POST"]),  # (vLLM's routes)
+                         Route("/detokenize", openai_api.detokenize, methods=["POST"])]
     web = web_dir()
     if web is not None:
         routes.append(Mount("/", StaticFiles(directory=web, html=True)))

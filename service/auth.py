@@ -1,6 +1,6 @@
 """API-key and Origin checks. Keys are compared in constant time; `/`, `/health` and `/metrics` stay open.
 
-`AccessMiddleware` guards HTTP `/v1/*`; the WebSocket checks its own key (header or `hello`) in ws.py, and
+`AccessMiddleware` guards HTTP `/v1/*`, `/tokenize` and `/detokenize`; the WebSocket checks its own key (header or `hello`) in ws.py, and
 `PendingAuth` bounds the sockets still waiting to send `hello` (docs/protocol.md §2).
 """
 from __future__ import annotations
@@ -34,8 +34,11 @@ def origin_allowed(headers: Headers, allowed: tuple[str, ...]) -> bool:
     return not allowed or origin is None or origin in allowed or "*" in allowed
 
 
+GUARDED = frozenset({"/tokenize", "/detokenize"})  # (vLLM's routes, outside /v1: they run the tokenizer)
+
+
 class AccessMiddleware:
-    """HTTP `/v1/*`, in OpenAI's error shape: 403 for an Origin outside `--allowed-origins` (CORS alone would
+    """HTTP `/v1/*` and `GUARDED`, in OpenAI's error shape: 403 for an Origin outside `--allowed-origins` (CORS alone would
     let a browser's "simple" cross-site POST run, only hiding the answer), then 401 without the right Bearer key."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, allowed_origins: tuple[str, ...]) -> None:
@@ -44,7 +47,7 @@ class AccessMiddleware:
         self.allowed_origins = allowed_origins
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in GUARDED):
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)

@@ -168,6 +168,33 @@ class EngineBridge:
             return fn(*args)
         return await asyncio.wrap_future(future)
 
+    async def tokenize(self, req: GenerateRequest) -> list[int]:
+        """A prompt's ids as `submit` makes them (its template, special tokens, truncation): on the tokenizer thread,
+        in the client's turn; nothing reaches the engine. Raises `RequestError`: internal before the engine is ready,
+        invalid_message for messages the template refuses."""
+        if self.fatal is not None or self._processor is None:
+            raise RequestError("internal", "the engine is not running")
+        try:
+            ids = await self.off_loop(req.client, self._tokenize, req)
+        except ValueError as e:  # the chat template refused the messages
+            raise RequestError("invalid_message", str(e)) from None
+        return ids
+
+    async def detokenize(self, client: Hashable, ids: list[int]) -> str:
+        """The text of token ids (special tokens written out), on the tokenizer thread. Raises `RequestError`
+        (invalid_message) for an id outside the vocabulary."""
+        processor = self._processor
+        if self.fatal is not None or processor is None:
+            raise RequestError("internal", "the engine is not running")
+        if ids and not (0 <= min(ids) and max(ids) < processor.vocab_size):
+            raise RequestError("invalid_message", f"token ids must be in 0..{processor.vocab_size - 1}", "tokens")
+        return await self.off_loop(client, processor.tokenizer.decode, ids)
+
+    async def token_strs(self, client: Hashable, ids: list[int]) -> list[str]:
+        """The tokenizer's own string of each token (a byte-level `Ġworld`, say), as vLLM's /tokenize gives them."""
+        assert self._processor is not None
+        return await self.off_loop(client, self._processor.tokenizer.convert_ids_to_tokens, ids)
+
     def name_prompt_logprobs(self, handle: RequestHandle) -> None:
         """On the tokenizer thread (`off_loop`): the handle's prompt logprobs, named."""
         if handle.prompt_scores is not None and handle.prompt_logprobs is None:

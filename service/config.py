@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for the Responses API's stored responses (store: true, the default), which "
                         "previous_response_id continues; least recently used out first, all lost on restart; 0: "
                         "none kept (default: %(default)s)")
-    s.add_argument("--api-key", help="require this key on /v1/* and the WebSocket")
+    s.add_argument("--api-key", help="require this key on /v1/*, /tokenize, /detokenize and the WebSocket")
     s.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
                    help="comma-separated Origins allowed to open WebSockets; repeatable (default: any)")
     s.add_argument("--max-connections", type=int,

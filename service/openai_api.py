@@ -22,8 +22,8 @@ from engine import SamplingParams
 from service.openai_errors import HTTPError, error_response
 from service.handle import GenerateRequest, RequestError, RequestHandle, sampling_params
 from service.openai_schema import (
-    ChatCompletionRequest, CommonRequest, CompletionRequest, ResponsesRequest, chat_messages, completion_prompts,
-    decode_body, refuse_unsupported, template_kwargs,
+    ChatCompletionRequest, CommonRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest,
+    chat_messages, completion_prompts, decode_body, refuse_unsupported, template_kwargs,
 )
 from service import openai_tools
 from service.openai_render import ChatRender, CompletionRender, Render
@@ -204,6 +204,62 @@ def _truncation(svc: Service, body: CommonRequest) -> int | None:
 def _card(svc: Service) -> dict[str, Any]:
     return {"id": svc.model_name, "object": "model", "created": svc.started_at, "owned_by": "sluice",
             "max_model_len": svc.bridge.max_model_len}
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's /tokenize: a prompt's token ids as a completion (`prompt`) or chat completion (`messages`) request would
+    make them, their count and the context; with `return_token_strs`, the tokenizer's string of each."""
+    svc: Service = request.app.state.service
+    try:
+        body = await _read_body(request, TokenizeRequest, svc.config.max_message_bytes)
+        _check_tokenizer(svc, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise HTTPError(400, "give a prompt or messages (one of them)", param="prompt")
+        if body.chat_template is not None:
+            raise HTTPError(400, "`chat_template` is not supported by this server (the model's own chat template "
+                                 "only); leave it out", param="chat_template", code="unsupported_parameter")
+        if body.messages is not None:
+            continue_final = bool(body.continue_final_message)
+            req = GenerateRequest(prompt=chat_messages(body), chat=True, params=SamplingParams(), api="tokenize",
+                                  client=_peer(request), add_special_tokens=body.add_special_tokens,
+                                  add_generation_prompt=(body.add_generation_prompt if body.add_generation_prompt
+                                                         is not None else not continue_final),
+                                  continue_final_message=continue_final,
+                                  tools=openai_tools.plan(body.tools, "none" if body.tools else None, None, None).tools,
+                                  documents=body.documents, template_kwargs=template_kwargs(body))
+        else:
+            req = GenerateRequest(prompt=body.prompt, chat=False, params=SamplingParams(), api="tokenize",
+                                  client=_peer(request), add_special_tokens=body.add_special_tokens)
+        ids = await svc.bridge.tokenize(req)
+        strs = await svc.bridge.token_strs(req.client, ids) if body.return_token_strs else None
+        return Response(msgspec.json.encode({"count": len(ids), "max_model_len": svc.bridge.max_model_len,
+                                             "tokens": ids, "token_strs": strs}), media_type="application/json")
+    except RequestError as e:
+        return _error(_from_request_error(e, "messages"))  # (a template's refusal; a prompt's text never fails)
+    except HTTPError as e:
+        return _error(e)
+
+
+async def detokenize(request: Request) -> Response:
+    """vLLM's /detokenize: the text of token ids (special tokens written out)."""
+    svc: Service = request.app.state.service
+    try:
+        body = await _read_body(request, DetokenizeRequest, svc.config.max_message_bytes)
+        _check_tokenizer(svc, body.model)
+        text = await svc.bridge.detokenize(_peer(request), body.tokens)
+        return Response(msgspec.json.encode({"prompt": text}), media_type="application/json")
+    except RequestError as e:
+        return _error(_from_request_error(e, "tokens"))
+    except HTTPError as e:
+        return _error(e)
+
+
+def _check_tokenizer(svc: Service, model: str | None) -> None:
+    if model is not None and model != svc.model_name:
+        raise HTTPError(404, f"The model `{model}` does not exist; this server serves `{svc.model_name}`.",
+                        param="model", code="model_not_found")
+    if not svc.bridge.ready:
+        raise HTTPError(503, "the server is starting or shutting down; retry shortly")
 
 
 async def models(request: Request) -> Response:

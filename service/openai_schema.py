@@ -225,6 +225,27 @@ class ResponsesRequest(CommonRequest):
     max_tool_calls: Any = None
 
 
+class TokenizeRequest(Struct):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` templated as a chat completion's are."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[_Message] | None = None
+    add_special_tokens: bool | None = None  # (default: true for a prompt, false for messages, as vLLM's)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    return_token_strs: bool | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: Any = None  # (refused, as chat's)
+
+
+class DetokenizeRequest(Struct):
+    """vLLM's /detokenize."""
+    tokens: list[Annotated[int, Meta(ge=0)]]
+    model: str | None = None
+
+
 # parameter -> (the values that leave the output as Sluice makes it, besides null or leaving it out; what is missing)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": (([],), "give them as `tools`"),

@@ -545,3 +545,33 @@ def test_echo_and_prompt_logprobs(main_server: Server, client: openai.OpenAI, mo
         r = http.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, "stream": True,
                                                     "prompt_logprobs": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+def test_tokenize_and_detokenize(main_server: Server, client: openai.OpenAI, model: str) -> None:
+    """vLLM's /tokenize gives the ids a completion's prompt or a chat's messages make (their count is the usage's
+    prompt_tokens) and the context; /detokenize gives their text back."""
+    with httpx.Client(base_url=main_server.url, timeout=60) as http:
+        r = http.post("/tokenize", json={"model": model, "prompt": "The river runs", "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        t = r.json()
+        completion = client.completions.create(model=model, prompt="The river runs", max_tokens=1)
+        assert t["count"] == len(t["tokens"]) == len(t["token_strs"]) == completion.usage.prompt_tokens
+        assert t["max_model_len"] == 4096
+        chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+        assert chat["count"] == client.chat.completions.create(model=model, messages=MESSAGES,
+                                                               max_tokens=1).usage.prompt_tokens
+        assert chat["token_strs"] is None
+        open_turn = http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}).json()
+        assert open_turn["tokens"] == chat["tokens"][:open_turn["count"]] and open_turn["count"] < chat["count"]
+        r = http.post("/detokenize", json={"model": model, "tokens": t["tokens"]})
+        assert r.status_code == 200 and r.json() == {"prompt": "The river runs"}, r.text
+        for route, body, status, param in (
+                ("/tokenize", {"prompt": "x", "messages": MESSAGES}, 400, "prompt"),
+                ("/tokenize", {}, 400, "prompt"),
+                ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+                ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+                ("/tokenize", {"prompt": "x", "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+                ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
+                ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]")):
+            r = http.post(route, json=body)
+            assert r.status_code == status and r.json()["error"]["param"] == param, (route, body, r.text)

@@ -77,6 +77,10 @@ def test_http_needs_the_key(guarded: Server) -> None:
     assert httpx.get(f"{guarded.url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(f"{guarded.url}/v1/models", headers=AUTH).status_code == 200
     assert httpx.get(f"{guarded.url}/health").status_code == 200  # open for load balancers
+    for route, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]}), ("/v1/responses",
+                                                                                             {"input": "hi"})):
+        assert httpx.post(f"{guarded.url}{route}", json=body).status_code == 401  # (they run the tokenizer)
+        assert httpx.post(f"{guarded.url}{route}", json=body, headers=AUTH).status_code != 401, route
     assert httpx.get(f"{guarded.url}/metrics").status_code == 200  # and scrapers
 
     with pytest.raises(openai.AuthenticationError):
