@@ -1,7 +1,7 @@
 """API-key and Origin checks. Keys are compared in constant time; `/`, `/health` and `/metrics` stay open.
 
-`AccessMiddleware` guards HTTP `/v1/*`, `/tokenize` and `/detokenize`; the WebSocket checks its own key (header or `hello`) in ws.py, and
-`PendingAuth` bounds the sockets still waiting to send `hello` (docs/protocol.md §2).
+`AccessMiddleware` guards HTTP `/v1/*`, `/tokenize` and `/detokenize`; the WebSocket checks its own key (header or
+`hello`) in ws.py, and `PendingAuth` bounds the sockets still waiting to send `hello` (docs/protocol.md §2).
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ GUARDED = frozenset({"/tokenize", "/detokenize"})  # (vLLM's routes, outside /v1
 
 
 class AccessMiddleware:
-    """HTTP `/v1/*` and `GUARDED`, in OpenAI's error shape: 403 for an Origin outside `--allowed-origins` (CORS alone would
-    let a browser's "simple" cross-site POST run, only hiding the answer), then 401 without the right Bearer key."""
+    """HTTP `/v1/*` and `GUARDED`, in OpenAI's error shape: 403 for an Origin outside `--allowed-origins` (CORS alone
+    would let a browser's "simple" cross-site POST run, only hiding the answer), then 401 without the right Bearer key."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, allowed_origins: tuple[str, ...]) -> None:
         self.app = app
