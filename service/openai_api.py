@@ -178,7 +178,12 @@ async def completions(request: Request) -> Response:
         if "prompt_logprobs" in kwargs and (body.n or 1) > 1:
             raise HTTPError(400, "n must be 1 with prompt logprobs (prompt_logprobs, or echo with logprobs or of a "
                                  "prompt of token ids): each choice would compute its prompt again", param="n")
-        params = sampling_params(max_tokens=body.max_tokens or 16, logprobs=body.logprobs, **kwargs)
+        prompt_only = body.max_tokens == 0  # (vLLM's: the echoed prompt alone, its logprobs scored)
+        if prompt_only and not body.echo:
+            raise HTTPError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)",
+                            param="max_tokens")
+        params = sampling_params(max_tokens=1 if prompt_only else body.max_tokens or 16, logprobs=body.logprobs,
+                                 **kwargs)
         reqs = [GenerateRequest(prompt=prompt, chat=False, params=params, api="completions", client=_peer(request),
                                 add_special_tokens=body.add_special_tokens, truncate_prompt_tokens=_truncation(svc, body),
                                 fit_max_tokens=body.max_tokens is None)  # the default 16 fits; one asked for must
@@ -187,7 +192,7 @@ async def completions(request: Request) -> Response:
                                   token_ids=bool(body.return_tokens_as_token_ids),
                                   echo=[p if isinstance(p, str) else None for p in prompts] if body.echo else None,
                                   prompt_logprobs=body.prompt_logprobs, n=body.n or 1,
-                                  top_logprobs=body.logprobs or 0)
+                                  top_logprobs=body.logprobs or 0, prompt_only=prompt_only)
         return await _generate(request, svc, reqs, render, body)
     except RequestError as e:
         return _error(_from_request_error(e))

@@ -104,11 +104,14 @@ class _Base:
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
         """The whole (not streamed) body: each finished handle's choice, in order (`n` a prompt)."""
         return {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.model,
-                "choices": [r.choice(h) for r, h in zip(renders, handles)], "usage": usage(handles, n)}
+                "choices": [r.choice(h) for r, h in zip(renders, handles)], "usage": self._usage(handles, n)}
 
     def usage_chunk(self, handles: list[RequestHandle], n: int) -> dict[str, Any]:
         """A stream's last chunk under `stream_options.include_usage`: no choices, the usage of them all."""
-        return self._chunk([], True, usage(handles, n))
+        return self._chunk([], True, self._usage(handles, n))
+
+    def _usage(self, handles: list[RequestHandle], n: int) -> dict[str, Any]:
+        return usage(handles, n)
 
     def _chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage_: Any = None) -> dict[str, Any]:
         chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created, "model": self.model,
@@ -201,14 +204,16 @@ class CompletionRender(_Base):
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: CompletionRender | None = None, *,
                  token_ids: bool = False, echo: list[str | None] | None = None, prompt_logprobs: int | None = None,
-                 n: int = 1, top_logprobs: int = 0) -> None:
+                 n: int = 1, top_logprobs: int = 0, prompt_only: bool = False) -> None:
         """`echo`: each prompt's text (None: its tokens' text), which its choices' answers start with (OpenAI's
         `echo`; with logprobs, its tokens' lead theirs, the first's null); `n`: choices per prompt; `top_logprobs`:
-        the alternatives each token's logprobs list (`logprobs`)."""
+        the alternatives each token's logprobs list (`logprobs`); `prompt_only`: the answer is its echo alone (vLLM's
+        `max_tokens` 0 with `echo`: a prompt scored, the one token the engine drew for it left out)."""
         super().__init__(model, logprobs, index, first, token_ids=token_ids, prompt_logprobs=prompt_logprobs)
         self.echo = first.echo if first is not None else echo
         self.n = first.n if first is not None else n
         self.top_logprobs = first.top_logprobs if first is not None else top_logprobs
+        self.prompt_only = first.prompt_only if first is not None else prompt_only
         self.echoed = False  # a stream sent the prompt
         self.offset = 0  # text_offset of the next token, across stream chunks
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # the text the tokens' bytes have made so far
@@ -259,13 +264,19 @@ class CompletionRender(_Base):
             return 1
         return 0
 
+    def _usage(self, handles: list[RequestHandle], n: int) -> dict[str, Any]:
+        u = usage(handles, n)
+        return {**u, "completion_tokens": 0, "total_tokens": u["prompt_tokens"]} if self.prompt_only else u
+
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
+        if self.prompt_only:
+            text, lps = "", []
         prompt, echoed = self._echo(h) if self.echo is not None else ("", None)
         logprobs = self._lp(lps) if self.logprobs else None
         if logprobs is not None and echoed is not None:
             logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
-        choice = {"index": self.index, "text": prompt + text, "logprobs": logprobs, "finish_reason": _finish_reason(h)}
+        choice = {"index": self.index, "text": prompt + text, "logprobs": logprobs, "finish_reason": self._reason(h)}
         if self.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._prompt_lps(h)
         return choice
@@ -283,11 +294,16 @@ class CompletionRender(_Base):
         return [self._chunk([{"index": self.index, "text": text, "logprobs": echoed if self.logprobs else None,
                               "finish_reason": None}], include_usage)]
 
+    def _reason(self, h: RequestHandle) -> str:
+        return "length" if self.prompt_only and h.finish_reason in ("stop", "length") else _finish_reason(h)
+
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
+        if self.prompt_only:
+            return self.stream_prompt(include_usage)
         return self.stream_prompt(include_usage) + [self._chunk([{
             "index": self.index, "text": text, "logprobs": self._lp(lps) if self.logprobs else None,
             "finish_reason": None}], include_usage)]
 
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         return self.stream_prompt(include_usage) + [self._chunk([{
-            "index": self.index, "text": "", "logprobs": None, "finish_reason": _finish_reason(h)}], include_usage)]
+            "index": self.index, "text": "", "logprobs": None, "finish_reason": self._reason(h)}], include_usage)]

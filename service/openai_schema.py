@@ -145,6 +145,7 @@ class ChatCompletionRequest(CommonRequest):
 
 class CompletionRequest(CommonRequest):
     prompt: str | list[Any] = ""
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None  # (0: vLLM's prompt alone, with `echo`)
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool | None = None
     suffix: str | None = None

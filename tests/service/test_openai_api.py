@@ -537,6 +537,15 @@ def test_echo_and_prompt_logprobs(main_server: Server, client: openai.OpenAI, mo
     assert [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens] == \
         whole.choices[0].logprobs.tokens
     assert len(whole.choices[0].logprobs.tokens) == len(ids) + whole.usage.completion_tokens
+    # vLLM's max_tokens 0 with echo: the prompt alone, scored (no token of the answer's, streamed or not)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    (c,) = r.choices
+    assert c.text == prompt and c.finish_reason == "length" and c.logprobs.tokens == lp.tokens[:n]
+    assert (r.usage.completion_tokens, r.usage.total_tokens) == (0, n)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == prompt
+    assert chunks[-1].usage.completion_tokens == 0 and chunks[-2].choices[0].finish_reason == "length"
     # chat: the response's, over the templated prompt
     r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 0})
     plps = r.model_extra["prompt_logprobs"]
@@ -545,6 +554,8 @@ def test_echo_and_prompt_logprobs(main_server: Server, client: openai.OpenAI, mo
         r = http.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, "stream": True,
                                                     "prompt_logprobs": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+        r = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
 def test_tokenize_and_detokenize(main_server: Server, client: openai.OpenAI, model: str) -> None:
