@@ -9,7 +9,8 @@ The tools go to the chat template (`tools`), which decides how the model sees th
   each (one only with `parallel_tool_calls: false`), returned as calls;
 - `auto` (the default when tools are given): the model decides; its text is parsed for calls by the server's
   `--tool-call-parser` (`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen2.5's and Hermes'
-  format), which needs `--enable-auto-tool-choice`, as in vLLM;
+  format), which needs `--enable-auto-tool-choice`, as in vLLM; with `parallel_tool_calls: false` its first call
+  only;
 - `none`: plain text.
 
 An answer with calls finishes with `tool_calls` (`stop` for a named one, as OpenAI's); one cut short by `max_tokens`
@@ -267,7 +268,7 @@ class ToolStream:
                 out = [{"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}]
         elif mode == "auto" and (self.buf or self.in_call):
             call = _hermes_call(self.buf) if self.in_call else None  # (an unclosed call at the end)
-            out = [self._sent(call)] if call is not None else [
+            out = ([] if self._one_too_many() else [self._sent(call)]) if call is not None else [
                 {"content": (self.START if self.in_call else "") + self.buf}]
         self.buf = ""
         return out
@@ -292,7 +293,14 @@ class ToolStream:
                 return out
             body, self.buf, self.in_call = self.buf[:j], self.buf[j + len(self.END):], False
             call = _hermes_call(body)
+            if call is not None and self._one_too_many():
+                continue
             out.append(self._sent(call) if call is not None else {"content": self.START + body + self.END})
+
+    def _one_too_many(self) -> bool:
+        """`parallel_tool_calls: false` allows one call: the model's later ones are dropped (as OpenAI's model makes
+        none)."""
+        return not self.plan.parallel and self.calls >= 1
 
     def _sent(self, call: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1

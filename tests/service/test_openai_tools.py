@@ -114,6 +114,21 @@ def test_hermes_streamed_anyhow_gives_the_whole_answer(text: str) -> None:
             assert streamed == text == content
 
 
+def test_auto_without_parallel_calls_keeps_the_first() -> None:
+    """`parallel_tool_calls: false` under auto: the model's first call only, whole or streamed in any pieces; the text
+    around it stays."""
+    p = plan(_tools(), "auto", False, "hermes")
+    text = "Looking. " + CALL + CALL.replace("Rome", "Oslo") + " done"
+    content, calls = answer(p, text)
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Rome"] and content == "Looking.  done"
+    for size in (1, 5):
+        stream = ToolStream(p)
+        deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])] + stream.end("stop")
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", ())] == ["get_weather"]
+    unclosed = answer(p, CALL + '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}')[1]
+    assert [c["function"]["name"] for c in unclosed] == ["get_weather"]
+
+
 @pytest.fixture(scope="module")
 def server(tools_model_dir: Path):
     config = ServerConfig(model=str(tools_model_dir), served_model_name="tools-model", num_kv_blocks=256, max_model_len=1024, engine_process=False,
