@@ -60,7 +60,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None
     enable_auto_tool_choice: bool = False  # (vLLM's) chat tool_choice "auto": the answer parsed for calls
-    tool_call_parser: str | None = None  # how: `hermes` (service/openai_tools.py)
+    tool_call_parser: str | None = None  # how: `hermes` or `llama3_json` (service/openai_tools.py)
     responses_store_mb: float = 256.0  # the Responses API's stored responses (service/openai_responses.py); 0: none
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
@@ -239,8 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-auto-tool-choice", action="store_true", default=d.enable_auto_tool_choice,
                    help="chat completions with tools may leave the choice to the model (tool_choice auto, the default "
                         "with tools): its answer is parsed for calls by --tool-call-parser")
-    s.add_argument("--tool-call-parser", choices=("hermes",), default=d.tool_call_parser,
-                   help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes)")
+    s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=d.tool_call_parser,
+                   help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes) or "
+                        "llama3_json (an answer of {\"name\", \"parameters\"} objects: Llama 3.1-3.3)")
     s.add_argument("--responses-store-mb", type=float, default=d.responses_store_mb, metavar="MB",
                    help="memory for the Responses API's stored responses (store: true, the default), which "
                         "previous_response_id continues; least recently used out first, all lost on restart; 0: "

@@ -9,7 +9,7 @@ The tools go to the chat template (`tools`), which decides how the model sees th
   each (one only with `parallel_tool_calls: false`), returned as calls;
 - `auto` (the default when tools are given): the model decides; its text is parsed for calls by the server's
   `--tool-call-parser` (`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen2.5's and Hermes'
-  format), which needs `--enable-auto-tool-choice`, as in vLLM; with `parallel_tool_calls: false` its first call
+  format; `llama3_json`: an answer that is `{"name": ..., "parameters": {...}}` objects, Llama 3.1-3.3's), which needs `--enable-auto-tool-choice`, as in vLLM; with `parallel_tool_calls: false` its first call
   only;
 - `none`: plain text.
 
@@ -195,12 +195,36 @@ def _calls_of_list(text: str) -> list[dict[str, Any]] | None:
     return [_call(x["name"], json.dumps(x.get("parameters", {}), ensure_ascii=False)) for x in items]
 
 
-def _hermes_call(body: str) -> dict[str, Any] | None:
-    obj = _json(body)
+def _named_call(obj: Any) -> dict[str, Any] | None:
+    """A call written as `{"name", "arguments"}` (or `"parameters"`), or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return _call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _hermes_call(body: str) -> dict[str, Any] | None:
+    return _named_call(_json(body))
+
+
+_BETWEEN_CALLS = re.compile(r"[ \t\n\r;]*")
+
+
+def _json_calls(text: str) -> list[dict[str, Any]] | None:
+    """llama3_json's answer (Llama 3.1-3.3): one or more `{"name", "parameters"}` objects, `;` between them, and
+    nothing else; None if it is not wholly that."""
+    if json_guard.depth_error(text) is not None:
+        return None
+    decoder, at, calls = json.JSONDecoder(), 0, []
+    while (at := _BETWEEN_CALLS.match(text, at).end()) < len(text):  # type: ignore[union-attr]
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        if (call := _named_call(obj)) is None:
+            return None
+        calls.append(call)
+    return calls or None
 
 
 def answer(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -235,7 +259,8 @@ class ToolStream:
         self.plan = p
         self.buf = ""
         self.calls = 0  # tool calls sent
-        self.in_call = False  # auto: inside <tool_call>
+        self.in_call = False  # auto: inside <tool_call> (llama3_json: the answer is calls)
+        self.plain = False  # llama3_json: the answer is content
         self.header = False  # named: the call's id and name sent
 
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -251,7 +276,7 @@ class ToolStream:
             return []
         if mode == "auto":
             self.buf += text
-            return self._auto()
+            return self._auto() if self.plan.parser == "hermes" else self._auto_json()
         return [{"content": text}] if text else []
 
     def end(self, reason: str) -> list[dict[str, Any]]:
@@ -266,6 +291,12 @@ class ToolStream:
             else:
                 self.calls = len(calls)
                 out = [{"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}]
+        elif mode == "auto" and self.plan.parser == "llama3_json":
+            calls = _json_calls(self.buf) if self.in_call else None
+            if calls is None:
+                out = [{"content": self.buf}] if self.buf else []
+            else:
+                out = [self._sent(c) for c in calls[: None if self.plan.parallel else 1]]
         elif mode == "auto" and (self.buf or self.in_call):
             call = _hermes_call(self.buf) if self.in_call else None  # (an unclosed call at the end)
             out = ([] if self._one_too_many() else [self._sent(call)]) if call is not None else [
@@ -296,6 +327,21 @@ class ToolStream:
             if call is not None and self._one_too_many():
                 continue
             out.append(self._sent(call) if call is not None else {"content": self.START + body + self.END})
+
+    def _auto_json(self) -> list[dict[str, Any]]:
+        """llama3_json: an answer whose text begins with `{` is calls, which come whole at its end; any other streams
+        as content."""
+        if self.in_call:
+            return []
+        if not self.plain:
+            head = self.buf.lstrip()
+            if not head:
+                return []
+            self.in_call, self.plain = head[0] == "{", head[0] != "{"
+            if self.in_call:
+                return []
+        out, self.buf = [{"content": self.buf}], ""
+        return out
 
     def _one_too_many(self) -> bool:
         """`parallel_tool_calls: false` allows one call: the model's later ones are dropped (as OpenAI's model makes

@@ -129,6 +129,32 @@ def test_auto_without_parallel_calls_keeps_the_first() -> None:
     assert [c["function"]["name"] for c in unclosed] == ["get_weather"]
 
 
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "C"}}'
+
+
+@pytest.mark.parametrize("text, cities", [
+    (LLAMA_CALL, ["Rome"]), (" \n" + LLAMA_CALL + "; " + LLAMA_CALL.replace("Rome", "Oslo"), ["Rome", "Oslo"]),
+    ("It is sunny in Rome.", []), (LLAMA_CALL + " and then some text", []), ('{"city": "Rome"}', []),
+    (LLAMA_CALL[:-3], []),  # cut off
+    ("{" * 990, []),  # (deeper than a body may nest: text, not a RecursionError)
+])
+def test_llama3_json_streamed_anyhow(text: str, cities: list[str]) -> None:
+    """llama3_json (Llama 3.1-3.3's format): an answer that is wholly `{"name", "parameters"}` objects is calls, any
+    other its text, whole or streamed in any pieces; `parallel_tool_calls: false` keeps the first."""
+    for parallel in (None, False):
+        p = plan(_tools(), "auto", parallel, "llama3_json")
+        content, calls = answer(p, text)
+        want = cities if parallel is None else cities[:1]
+        assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == want
+        assert content == (None if cities else text)
+        for size in (1, 4, len(text)):
+            stream = ToolStream(p)
+            deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])] + stream.end("stop")
+            assert "".join(d.get("content", "") for d in deltas) == ("" if cities else text)
+            assert [json.loads(c["function"]["arguments"])["city"] for d in deltas for c in d.get("tool_calls", ())] \
+                == want
+
+
 @pytest.fixture(scope="module")
 def server(tools_model_dir: Path):
     config = ServerConfig(model=str(tools_model_dir), served_model_name="tools-model", num_kv_blocks=256, max_model_len=1024, engine_process=False,
@@ -251,3 +277,24 @@ def test_template_kwargs_and_documents_reach_the_template(server, client: openai
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
         r = http.post("/v1/chat/completions", json={"model": "tools-model", "messages": MESSAGES, "chat_template": "x"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+
+
+def test_llama3_json_server_parses_the_models_calls(tools_model_dir: Path) -> None:
+    """--tool-call-parser llama3_json: an answer that is a call comes back as one, from chat completions and the
+    Responses API, whole and streamed (a regex writes it for the tiny model's random weights)."""
+    regex = r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Rome)", "unit": "C"\}\}'
+    config = ServerConfig(model=str(tools_model_dir), served_model_name="llama", num_kv_blocks=256, max_model_len=1024,
+                          engine_process=False, enable_auto_tool_choice=True, tool_call_parser="llama3_json")
+    with in_process(build_app(config), "llama-tools-server") as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model="llama", messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=1,
+                  extra_body={"guided_regex": regex})
+        (c,) = client.chat.completions.create(**kw).choices
+        (call,) = c.message.tool_calls
+        assert c.finish_reason == "tool_calls" and c.message.content is None and call.function.name == "get_weather"
+        assert _streamed(client, **kw) == (None, [("get_weather", call.function.arguments)], "tool_calls")
+        r = client.responses.create(model="llama", input=MESSAGES[0]["content"], max_output_tokens=200,
+                                    tools=[{"type": "function", **TOOLS[0]["function"]}],
+                                    extra_body={"guided_regex": regex, "seed": 1})
+        (item,) = r.output
+        assert (item.type, item.name, item.arguments) == ("function_call", "get_weather", call.function.arguments)
