@@ -29,7 +29,7 @@ from engine.processor import InputProcessor
 from service.engine_process import EngineProcess
 from service.engine_thread import Abort, Add, EngineHost, EngineReady, EngineThread, StepResult, Stop
 from service.fair_executor import FairExecutor
-from service.handle import GenerateRequest, RequestError, RequestHandle, TokenRate
+from service.handle import GenerateRequest, PromptScores, RequestError, RequestHandle, TokenRate
 
 log = logging.getLogger("sluice.bridge")
 
@@ -197,8 +197,8 @@ class EngineBridge:
 
     def name_prompt_logprobs(self, handle: RequestHandle) -> None:
         """On the tokenizer thread (`off_loop`): the handle's prompt logprobs, named."""
-        if handle.prompt_scores is not None and handle.prompt_logprobs is None:
-            assert self._processor is not None
+        if handle.prompt_scores is not None and handle.prompt_logprobs is None and handle.error is None:
+            assert self._processor is not None  # (a failed request's ids may be outside the vocabulary)
             handle.prompt_logprobs = handle.prompt_scores.named(self._processor.token_text)
 
     def abort(self, handle: RequestHandle) -> None:
@@ -239,6 +239,8 @@ class EngineBridge:
             log.warning("request %s: tokenizing the prompt failed: %s: %s", handle.request_id, type(e).__name__, e)
             return self._finish(handle, None, RequestError("internal", "the server failed to tokenize the prompt"))
         assert self._engine is not None
+        if req.echo_ids:  # (the engine's logprobs, if it sends them, take their place)
+            handle.prompt_scores = PromptScores(ids, [None] * len(ids))
         add = Add(handle.request_id, ids, params, req.fit_max_tokens)
         self._sent[handle.request_id] = _Sent(add)
         self._engine.send(add)

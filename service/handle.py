@@ -80,6 +80,7 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None  # a chat's tools, for its template (service/openai_tools.py)
     documents: list[dict[str, Any]] | None = None  # (vLLM's) a chat's documents, for its template
     template_kwargs: dict[str, Any] | None = None  # (vLLM's chat_template_kwargs) more variables for its template
+    echo_ids: bool = False  # the prompt's ids go to its handle (`prompt_scores`, no logprobs): an echo's text
 
 
 class RequestHandle:

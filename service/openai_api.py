@@ -170,23 +170,24 @@ async def completions(request: Request) -> Response:
         body = await _read_body(request, CompletionRequest, svc.config.max_message_bytes)
         _check_common(svc, body)
         kwargs, prompts = body.sampling_kwargs(), completion_prompts(body)
-        if body.echo and (body.logprobs is not None or body.truncate_prompt_tokens is not None
-                          or not all(isinstance(p, str) for p in prompts)):
-            # the prompt's tokens (their logprobs; the text of token ids, or of the tokens a truncation kept): the
-            # prompt's logprobs carry them
-            kwargs["prompt_logprobs"] = max(body.logprobs or 0, kwargs.get("prompt_logprobs", 0))
+        if body.echo and body.logprobs is not None:  # the prompt's tokens' logprobs lead the answer's
+            kwargs["prompt_logprobs"] = max(body.logprobs, kwargs.get("prompt_logprobs", 0))
         if "prompt_logprobs" in kwargs and (body.n or 1) > 1:
-            raise HTTPError(400, "n must be 1 with prompt logprobs (prompt_logprobs, or echo with logprobs or of a "
-                                 "prompt of token ids): each choice would compute its prompt again", param="n")
+            raise HTTPError(400, "n must be 1 with prompt logprobs (prompt_logprobs, or echo with logprobs): each "
+                                 "choice would compute its prompt again", param="n")
         prompt_only = body.max_tokens == 0  # (vLLM's: the echoed prompt alone, its logprobs scored)
         if prompt_only and not body.echo:
             raise HTTPError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)",
                             param="max_tokens")
         params = sampling_params(max_tokens=1 if prompt_only else body.max_tokens or 16, logprobs=body.logprobs,
                                  **kwargs)
+        # an echo without logprobs of token ids, or of the tokens a truncation kept: their text, from the ids
+        echo_ids = bool(body.echo) and "prompt_logprobs" not in kwargs
         reqs = [GenerateRequest(prompt=prompt, chat=False, params=params, api="completions", client=_peer(request),
                                 add_special_tokens=body.add_special_tokens, truncate_prompt_tokens=_truncation(svc, body),
-                                fit_max_tokens=body.max_tokens is None)  # the default 16 fits; one asked for must
+                                fit_max_tokens=body.max_tokens is None,  # the default 16 fits; one asked for must
+                                echo_ids=echo_ids and (not isinstance(prompt, str) or body.truncate_prompt_tokens
+                                                       is not None))
                 for prompt in prompts]
         render = CompletionRender(svc.model_name, body.logprobs is not None,
                                   token_ids=bool(body.return_tokens_as_token_ids),
@@ -392,7 +393,7 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, even
             for h, r in list(running.items()):
                 done = h.finished  # (before taking: what comes while the chunk is written is taken next pass)
                 text, _, lps = h.take()
-                if h.prompt_scores is not None and h.prompt_logprobs is None:  # (they come with the first output)
+                if h.prompt_scores is not None and h.prompt_logprobs is None and h.error is None:
                     for e in await bridge.off_loop(client, _prompt_events, bridge, h, r, include_usage):
                         yield e
                 if text or lps:

@@ -73,6 +73,12 @@ def test_echo_text_and_offsets_agree(http: httpx.Client, spm_model_dir: Path) ->
     ids = tok(prompt).input_ids
     r = _complete(http, prompt=ids[2:], max_tokens=2, echo=True)  # token ids: their text, as decoded
     assert r["choices"][0]["text"].startswith(tok.decode(ids[2:]))
+    # (made from the ids, not from prompt logprobs: the prompt is served from the prefix cache, n choices may share it)
+    long_ids = tok(" ".join([prompt] * 8)).input_ids
+    for _ in range(2):
+        r = _complete(http, prompt=long_ids, max_tokens=1, echo=True, n=2)
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    assert all(c["text"].startswith(tok.decode(long_ids)) for c in r["choices"]) and len(r["choices"]) == 2
     # a truncated prompt echoes the tokens kept, and its logprobs are theirs
     r = _complete(http, prompt=prompt, max_tokens=2, echo=True, logprobs=1, truncate_prompt_tokens=3)
     c = r["choices"][0]
