@@ -166,7 +166,12 @@ class EngineBridge:
             future = self._tokenizer.submit(client, fn, *args)
         except RuntimeError:  # shut down: the server is stopping, with little else to serve
             return fn(*args)
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                raise  # (this request's own cancellation)
+            return fn(*args)  # the executor shut down before the job ran (a server stopping)
 
     async def tokenize(self, req: GenerateRequest) -> list[int]:
         """A prompt's ids as `submit` makes them (its template, special tokens, truncation): on the tokenizer thread,
@@ -174,6 +179,11 @@ class EngineBridge:
         invalid_message for messages the template refuses."""
         if self.fatal is not None or self._processor is None:
             raise RequestError("internal", "the engine is not running")
+        try:  # (the flood bound only, not the length check: a prompt somewhat over the context still gets its count)
+            self._processor.refuse_early(req.prompt, extra=[x for x in (req.tools, req.documents, req.template_kwargs)
+                                                            if x])
+        except PromptTooLongError as e:
+            raise RequestError("prompt_too_long", str(e)) from None
         try:
             ids = await self.off_loop(req.client, self._tokenize, req)
         except ValueError as e:  # the chat template refused the messages
@@ -186,8 +196,9 @@ class EngineBridge:
         processor = self._processor
         if self.fatal is not None or processor is None:
             raise RequestError("internal", "the engine is not running")
-        if ids and not (0 <= min(ids) and max(ids) < processor.vocab_size):
-            raise RequestError("invalid_message", f"token ids must be in 0..{processor.vocab_size - 1}", "tokens")
+        known = min(processor.vocab_size, len(processor.tokenizer))  # (a model's rows past its tokenizer's: no text)
+        if ids and not (0 <= min(ids) and max(ids) < known):
+            raise RequestError("invalid_message", f"token ids must be in 0..{known - 1}", "tokens")
         return await self.off_loop(client, processor.tokenizer.decode, ids)
 
     async def token_strs(self, client: Hashable, ids: list[int]) -> list[str]:

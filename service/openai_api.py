@@ -179,6 +179,9 @@ async def completions(request: Request) -> Response:
         if prompt_only and not body.echo:
             raise HTTPError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)",
                             param="max_tokens")
+        if prompt_only and body.min_tokens:
+            raise HTTPError(400, "min_tokens must be 0 with max_tokens 0 (the prompt alone, no token)",
+                            param="min_tokens")
         params = sampling_params(max_tokens=1 if prompt_only else body.max_tokens or 16, logprobs=body.logprobs,
                                  **kwargs)
         # an echo without logprobs of token ids, or of the tokens a truncation kept: their text, from the ids
@@ -403,8 +406,8 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, even
                     continue
                 del running[h]
                 if (e := _failure(h, body)) is not None:
-                    for event in r.stream_failed(h, e):
-                        yield event
+                    for failed in r.stream_failed(h, e):
+                        yield failed
                     return
                 for chunk in r.stream_end(h, include_usage):
                     yield r.event(chunk)

@@ -18,6 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service import json_guard
 from service.handle import RequestError, RequestHandle, TokenLogprobs
 from service.openai_api import _error, _from_request_error, _generate, _peer, _read_body, chat_request
 from service.openai_errors import HTTPError, error_response
@@ -39,12 +40,12 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {  # (as openai_schema._UNSUP
     "background": ((False,), "no background mode: ask without it"),
     "prompt": ((), "no stored prompt templates: give the input"),
     "conversation": ((), "no Conversations API: continue with previous_response_id"),
-    "reasoning": (({}, {"effort": None}, {"effort": None, "summary": None}), "this model does not reason"),
+    "reasoning": (({}, {"effort": None}, {"effort": "none"}, {"effort": None, "summary": None},
+                   {"effort": "none", "summary": None}), "this model does not reason"),
     "truncation": (("disabled",), "a conversation longer than the context is refused, never cut"),
     "max_tool_calls": ((), "no built-in tools"),
     "max_tokens": ((), "the Responses API's name is max_output_tokens"),
     "response_format": ((), "the Responses API's name is text.format"),
-    "stream_options": ((), "not in the Responses API"),
     "prompt_logprobs": ((), "not in the Responses API"),
 }
 
@@ -83,19 +84,23 @@ def _messages(items: str | list[ResponseInputItem]) -> list[_Message]:
             if item.role not in ("user", "system", "developer", "assistant"):
                 raise HTTPError(400, f"{at}.role must be user, system, developer or assistant, got {item.role!r}",
                                 param=f"{at}.role")
+            if item.content is None:
+                raise HTTPError(400, f"{at}: a message needs its content", param=f"{at}.content")
             out.append(_Message(item.role, _text(item.content, f"{at}.content")))
         elif item.type == "function_call":
             if not (item.call_id and item.name and item.arguments is not None):
                 raise HTTPError(400, f"{at}: a function_call needs its call_id, name and arguments", param=at)
+            if _stored_arguments(item.arguments) != item.arguments:
+                raise HTTPError(400, f"{at}.arguments must be a JSON object's text", param=f"{at}.arguments")
             call = ToolCall(item.call_id, FunctionCall(item.name, item.arguments))
             if out and out[-1].role == "assistant":
                 out[-1].tool_calls = [*(out[-1].tool_calls or ()), call]
             else:
                 out.append(_Message("assistant", None, tool_calls=[call]))
         elif item.type == "function_call_output":
-            if not item.call_id:
-                raise HTTPError(400, f"{at}: a function_call_output needs the call_id of its call",
-                                param=f"{at}.call_id")
+            if not item.call_id or item.output is None:
+                raise HTTPError(400, f"{at}: a function_call_output needs the call_id of its call and its output",
+                                param=f"{at}.call_id" if not item.call_id else f"{at}.output")
             out.append(_Message("tool", _text(item.output, f"{at}.output"), tool_call_id=item.call_id))
         else:
             raise HTTPError(400, f"{at}.type {item.type!r} is not supported: give messages, function_call and "
@@ -159,7 +164,7 @@ def as_chat(body: ResponsesRequest, history: list[_Message]) -> tuple[ChatComple
 # ---- rendering ---------------------------------------------------------------------------------------------------
 def _usage(h: RequestHandle) -> dict[str, Any]:
     prompt, completion = h.prompt_tokens or 0, h.completion_tokens
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": h.cached_tokens},
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": h.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
@@ -184,8 +189,9 @@ def _item_id(prefix: str) -> str:
 
 class ResponsesRender:
     """A response's body and its stream's events, over the chat renderer of its answer (its text, tool calls and
-    logprobs as /v1/chat/completions makes them). Implements openai_render.Render; `done` is called with the final
-    response object and the answer's message (the store's)."""
+    logprobs as /v1/chat/completions streams them). Whole or streamed, the output items are made the same way, from
+    those streamed deltas, in the order the answer makes them. Implements openai_render.Render; `done` is called with
+    the final response object and the answer's message (the store's)."""
 
     DONE = b""  # (no `[DONE]`: the last event is the response's own)
 
@@ -195,12 +201,15 @@ class ResponsesRender:
         self.model = model
         self.done = done
         self.logprobs = chat.logprobs
+        # with tools the model may call, text that is only whitespace (around calls) makes no message of its own
+        self.hold_space = chat.tools is not None and chat.tools.mode == "auto"
         self.id = _item_id("resp")
         self.created = int(time.time())
         self.seq = 0
-        self.items: list[dict[str, Any]] = []  # a stream's finished output items
-        self.open: dict[str, Any] | None = None  # the item being streamed: a message or a function call
-        self.calls: dict[int, dict[str, Any]] = {}  # the stream's function calls by the chat renderer's index
+        self.items: list[dict[str, Any]] = []  # the finished output items
+        self.open: dict[str, Any] | None = None  # the item being made: a message or a function call
+        self.calls: dict[int, dict[str, Any]] = {}  # the function calls by the chat renderer's index
+        self.space: tuple[str, list[dict[str, Any]]] = ("", [])  # whitespace held back (`hold_space`), its logprobs
 
     def siblings(self, n: int) -> list[Render]:
         return [self]  # type: ignore[list-item]
@@ -222,27 +231,27 @@ class ResponsesRender:
                 "top_p": 1.0 if b.top_p is None else b.top_p, "truncation": "disabled",
                 "usage": _usage(h) if h is not None else None, "user": b.user, "metadata": b.metadata or {}}
 
-    def _finish(self, h: RequestHandle, output: list[dict[str, Any]], reason: str) -> dict[str, Any]:
-        body = self._object("incomplete" if reason == "length" else "completed", output, h)
-        content = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-        calls = [ToolCall(i["call_id"], FunctionCall(i["name"], i["arguments"]))
-                 for i in output if i["type"] == "function_call"]
+    def _end(self, h: RequestHandle) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The answer's last events (its open item closed) and the final response object, handed to `done`."""
+        chunks = self.chat.stream_end(h, False)
+        events = self._from_chat(chunks)
+        reason = chunks[-1]["choices"][0]["finish_reason"]
+        if not self.items and self.open is None:  # (an empty answer is an empty message)
+            events += self._open_message()
+        events += self._close("incomplete" if reason == "length" else "completed")
+        body = self._object("incomplete" if reason == "length" else "completed", self.items, h)
+        content = "".join(p["text"] for i in self.items if i["type"] == "message" for p in i["content"])
+        calls = [ToolCall(i["call_id"], FunctionCall(i["name"], _stored_arguments(i["arguments"])))
+                 for i in self.items if i["type"] == "function_call"]
         self.done(body, _Message("assistant", content if content or not calls else None, tool_calls=calls or None))
-        return body
+        return events, body
 
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
         h = handles[0]
-        choice = self.chat.choice(h)
-        message, reason = choice["message"], choice["finish_reason"]
-        status = "incomplete" if reason == "length" else "completed"
-        output = []
-        calls = message.get("tool_calls") or []
-        if message["content"] is not None and (message["content"] or not calls):
-            lps = choice["logprobs"]["content"] if choice["logprobs"] else []
-            output.append(_message_item(_item_id("msg"), message["content"], lps, status))
-        output += [_call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
-                   for c in calls]
-        return self._finish(h, output, reason)
+        text, _, lps = h.take()
+        if text or lps:
+            self._from_chat(self.chat.stream_delta(text, lps, False))
+        return self._end(h)[1]
 
     # -- the stream
     def event(self, chunk: dict[str, Any]) -> bytes:
@@ -264,21 +273,19 @@ class ResponsesRender:
         return self._from_chat(self.chat.stream_delta(text, lps, False))
 
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
-        chunks = self.chat.stream_end(h, False)
-        events = self._from_chat(chunks)
-        reason = chunks[-1]["choices"][0]["finish_reason"]
-        if not self.items and self.open is None:  # (an empty answer is an empty message, as a whole response's)
-            events += self._open_message()
-        events += self._close("incomplete" if reason == "length" else "completed")
-        body = self._finish(h, self.items, reason)
+        events, body = self._end(h)
         return events + [self._event(f"response.{body['status']}", response=body)]
 
     def stream_failed(self, h: RequestHandle, e: HTTPError) -> list[bytes]:
-        error = {"code": e.code or "server_error", "message": e.message}
-        return [self.event(self._event("response.failed", response=self._object("failed", self.items, h, error)))]
+        """The open item closed as incomplete, then `response.failed` with the error (a code of the Responses API's:
+        `rate_limit_exceeded` for an overloaded server, else `server_error`)."""
+        events = self._close("incomplete")
+        error = {"code": "rate_limit_exceeded" if e.status == 429 else "server_error", "message": e.message}
+        events.append(self._event("response.failed", response=self._object("failed", self.items, h, error)))
+        return [self.event(event) for event in events]
 
     def usage_chunk(self, handles: list[RequestHandle], n: int) -> dict[str, Any]:
-        raise AssertionError("a response's usage is in its last event")  # (no stream_options)
+        raise AssertionError("a response's usage is in its last event")  # (no stream_options.include_usage)
 
     def _from_chat(self, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The chat renderer's chunks as the Responses API's events: text into the open message, each tool call an
@@ -288,17 +295,11 @@ class ResponsesRender:
             choice = chunk["choices"][0]
             delta = choice["delta"]
             if "content" in delta:
-                if self.open is None or self.open["type"] != "message":
-                    events += self._close("completed") + self._open_message()
-                lps = choice["logprobs"]["content"] if choice["logprobs"] else []
-                self.open["text"] += delta["content"]  # type: ignore[index]
-                self.open["logprobs"] += lps  # type: ignore[index]
-                events.append(self._event("response.output_text.delta", item_id=self.open["id"],  # type: ignore[index]
-                                          output_index=len(self.items), content_index=0, delta=delta["content"],
-                                          logprobs=lps))
+                events += self._text(delta["content"], choice["logprobs"]["content"] if choice["logprobs"] else [])
             for call in delta.get("tool_calls", ()):
                 if "id" in call:  # a new call
                     events += self._close("completed")
+                    self.space = ("", [])  # (whitespace between a message and a call, or two calls, makes nothing)
                     self.open = self.calls[call["index"]] = {"type": "function_call", "id": _item_id("fc"),
                                                              "call_id": call["id"], "name": call["function"]["name"],
                                                              "arguments": ""}
@@ -309,6 +310,24 @@ class ResponsesRender:
                     self.calls[call["index"]]["arguments"] += args
                     events.append(self._event("response.function_call_arguments.delta", item_id=self.open["id"],
                                               output_index=len(self.items), delta=args))
+        return events
+
+    def _text(self, text: str, lps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self.open is None or self.open["type"] != "message":
+            if self.hold_space:
+                held, held_lps = self.space
+                if not (held + text).strip():
+                    self.space = (held + text, held_lps + lps)
+                    return []
+                text, lps, self.space = held + text, held_lps + lps, ("", [])
+            events += self._close("completed") + self._open_message()
+        o = self.open
+        assert o is not None
+        o["text"] += text
+        o["logprobs"] += lps
+        events.append(self._event("response.output_text.delta", item_id=o["id"], output_index=len(self.items),
+                                  content_index=0, delta=text, logprobs=lps))
         return events
 
     def _open_message(self) -> list[dict[str, Any]]:
@@ -331,11 +350,20 @@ class ResponsesRender:
                       self._event("response.content_part.done", item_id=o["id"], output_index=at, content_index=0,
                                   part=item["content"][0])]
         else:
-            item = _call_item(o["id"], o["call_id"], o["name"], o["arguments"], "completed")
+            item = _call_item(o["id"], o["call_id"], o["name"], o["arguments"], status)
             events = [self._event("response.function_call_arguments.done", item_id=o["id"], output_index=at,
                                   name=o["name"], arguments=o["arguments"])]
         self.items.append(item)
         return events + [self._event("response.output_item.done", output_index=at, item=item)]
+
+
+def _stored_arguments(arguments: str) -> str:
+    """A call's arguments as its conversation keeps them: a call cut off (`max_output_tokens`), or one the model wrote
+    that is not a JSON object, is kept with `{}`, which a chat template can show (its text stays in the output)."""
+    try:
+        return arguments if isinstance(json_guard.loads(arguments), dict) else "{}"
+    except ValueError:
+        return "{}"
 
 
 # ---- routes ----------------------------------------------------------------------------------------------------
@@ -343,6 +371,8 @@ async def create_response(request: Request) -> Response:
     svc: Service = request.app.state.service
     try:
         body = await _read_body(request, ResponsesRequest, svc.config.max_message_bytes)
+        if not svc.accepting:  # (before the store is read: the context's length is not known yet)
+            raise HTTPError(503, "the server is starting or shutting down; retry shortly")
         history: list[_Message] = []
         if body.previous_response_id is not None:
             try:  # (every message takes a token at least: more than the context's tokens cannot fit)
@@ -360,16 +390,29 @@ async def create_response(request: Request) -> Response:
 
         def done(response: dict[str, Any], answer: _Message) -> None:
             """On the loop or the tokenizer thread (a response with logprobs is made there): the store is the
-            loop's."""
+            loop's, and keeps the response encoded."""
             if store:
-                loop.call_soon_threadsafe(svc.responses.put, response, [*turn, answer], body.previous_response_id)
+                loop.call_soon_threadsafe(svc.responses.put, response["id"], msgspec.json.encode(response),
+                                          [*turn, answer], body.previous_response_id)
 
         render = ResponsesRender(chat_render, body, svc.model_name, done)
         return await _generate(request, svc, [req], render, body)  # type: ignore[arg-type]
     except RequestError as e:
-        return _error(_from_request_error(e, "input"))
+        return _error(_renamed(_from_request_error(e, "input")))
     except HTTPError as e:
-        return _error(e)
+        return _error(_renamed(e))
+
+
+_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+           "response_format": "text.format"}
+
+
+def _renamed(e: HTTPError) -> HTTPError:
+    """An error of the chat path, naming the Responses API's field: `messages[i]...` (its instructions, the stored
+    conversation and the input together) is `input`."""
+    if e.param is not None and e.code != "unsupported_parameter":  # (`_refuse` names what the client sent)
+        e.param = "input" if e.param.startswith("messages") else _PARAMS.get(e.param, e.param)
+    return e
 
 
 def _stored(request: Request) -> tuple[Service, str]:
@@ -386,7 +429,7 @@ async def get_response(request: Request) -> Response:
     stored = svc.responses.get(response_id)
     if stored is None:
         return _not_found(response_id)
-    return Response(msgspec.json.encode(stored.body), media_type="application/json")
+    return Response(stored.body, media_type="application/json")
 
 
 async def delete_response(request: Request) -> Response:

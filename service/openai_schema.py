@@ -216,6 +216,7 @@ class ResponsesRequest(CommonRequest):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Meta(max_length=16)] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     include: list[str] | None = None
+    stream_options: Any = None  # (the Responses API's: `include_obfuscation`; no obfuscation is sent)
     truncation: str | None = None
     user: str | None = None
     # refused unless neutral (service/openai_responses.py): each would change the answer or what is kept

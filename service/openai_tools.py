@@ -80,6 +80,7 @@ class ToolPlan:
     structured_output: StructuredOutput | None = None
     parser: str | None = None
     parallel: bool = True
+    names: frozenset[str] = frozenset()  # the tools' names
 
 
 def plan(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None, parallel_tool_calls: bool | None,
@@ -139,7 +140,7 @@ def plan(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None, pa
             raise HTTPError(400, '"auto" tool choice (the default when tools are given) needs the server started with '
                                  "--enable-auto-tool-choice and --tool-call-parser; ask for \"required\", a named "
                                  "function or \"none\"", param="tool_choice")
-        return ToolPlan("auto", None, listed, None, parser, parallel)
+        return ToolPlan("auto", None, listed, None, parser, parallel, frozenset(names))
     if choice == "none":
         return ToolPlan("none", None, listed)
     raise HTTPError(400, f"tool_choice must be none, auto, required or a named function, got {choice!r}",
@@ -210,9 +211,10 @@ def _hermes_call(body: str) -> dict[str, Any] | None:
 _BETWEEN_CALLS = re.compile(r"[ \t\n\r;]*")
 
 
-def _json_calls(text: str) -> list[dict[str, Any]] | None:
-    """llama3_json's answer (Llama 3.1-3.3): one or more `{"name", "parameters"}` objects, `;` between them, and
-    nothing else; None if it is not wholly that."""
+def _json_calls(text: str, names: frozenset[str]) -> list[dict[str, Any]] | None:
+    """llama3_json's answer (Llama 3.1-3.3): one or more `{"name", "parameters"}` objects (or `"arguments"`), each
+    naming one of the tools, `;` between them, and nothing else; None if it is not wholly that (an answer that is
+    other JSON, say of a response_format)."""
     if json_guard.depth_error(text) is not None:
         return None
     decoder, at, calls = json.JSONDecoder(), 0, []
@@ -221,9 +223,9 @@ def _json_calls(text: str) -> list[dict[str, Any]] | None:
             obj, at = decoder.raw_decode(text, at)
         except (ValueError, RecursionError):
             return None
-        if (call := _named_call(obj)) is None:
+        if not (isinstance(obj, dict) and obj.get("name") in names and ("parameters" in obj or "arguments" in obj)):
             return None
-        calls.append(call)
+        calls.append(_named_call(obj))
     return calls or None
 
 
@@ -257,7 +259,9 @@ class ToolStream:
 
     def __init__(self, p: ToolPlan) -> None:
         self.plan = p
-        self.buf = ""
+        self.buf = ""  # hermes: the text not yet sent
+        self.scan = 0  # hermes: where in `buf` the end tag may begin (before it, it is not)
+        self.held: list[str] = []  # required, llama3_json: the text held back (joined at the end, once)
         self.calls = 0  # tool calls sent
         self.in_call = False  # auto: inside <tool_call> (llama3_json: the answer is calls)
         self.plain = False  # llama3_json: the answer is content
@@ -272,11 +276,13 @@ class ToolStream:
             call = _call(self.plan.name, text)  # type: ignore[arg-type]
             return [{"tool_calls": [{"index": 0, **call}]}]
         if mode == "required":
-            self.buf += text
+            self.held.append(text)
             return []
+        if mode == "auto" and self.plan.parser == "llama3_json":
+            return self._auto_json(text)
         if mode == "auto":
             self.buf += text
-            return self._auto() if self.plan.parser == "hermes" else self._auto_json()
+            return self._auto()
         return [{"content": text}] if text else []
 
     def end(self, reason: str) -> list[dict[str, Any]]:
@@ -285,23 +291,25 @@ class ToolStream:
         if mode == "named" and not self.header:
             out = self.feed("")
         elif mode == "required":
-            calls = _calls_of_list(self.buf)
+            text = "".join(self.held)
+            calls = _calls_of_list(text)
             if calls is None:
-                out = [{"content": self.buf}] if self.buf else []
+                out = [{"content": text}] if text else []
             else:
                 self.calls = len(calls)
                 out = [{"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}]
         elif mode == "auto" and self.plan.parser == "llama3_json":
-            calls = _json_calls(self.buf) if self.in_call else None
+            text = "".join(self.held)
+            calls = _json_calls(text, self.plan.names) if self.in_call else None
             if calls is None:
-                out = [{"content": self.buf}] if self.buf else []
+                out = [{"content": text}] if text else []
             else:
                 out = [self._sent(c) for c in calls[: None if self.plan.parallel else 1]]
         elif mode == "auto" and (self.buf or self.in_call):
             call = _hermes_call(self.buf) if self.in_call else None  # (an unclosed call at the end)
             out = ([] if self._one_too_many() else [self._sent(call)]) if call is not None else [
                 {"content": (self.START if self.in_call else "") + self.buf}]
-        self.buf = ""
+        self.buf, self.held = "", []
         return out
 
     def _auto(self) -> list[dict[str, Any]]:
@@ -318,9 +326,10 @@ class ToolStream:
                     return out
                 if i:
                     out.append({"content": self.buf[:i]})
-                self.buf, self.in_call = self.buf[i + len(self.START):], True
-            j = self.buf.find(self.END)
-            if j < 0:
+                self.buf, self.in_call, self.scan = self.buf[i + len(self.START):], True, 0
+            j = self.buf.find(self.END, self.scan)
+            if j < 0:  # (a long call is searched once, not again with each token)
+                self.scan = max(0, len(self.buf) - len(self.END) + 1)
                 return out
             body, self.buf, self.in_call = self.buf[:j], self.buf[j + len(self.END):], False
             call = _hermes_call(body)
@@ -328,19 +337,18 @@ class ToolStream:
                 continue
             out.append(self._sent(call) if call is not None else {"content": self.START + body + self.END})
 
-    def _auto_json(self) -> list[dict[str, Any]]:
+    def _auto_json(self, text: str) -> list[dict[str, Any]]:
         """llama3_json: an answer whose text begins with `{` is calls, which come whole at its end; any other streams
         as content."""
+        if self.plain:
+            return [{"content": text}] if text else []
+        self.held.append(text)
+        if self.in_call or not (head := text.lstrip()):  # (until then, all of it is whitespace)
+            return []
+        self.in_call, self.plain = head[0] == "{", head[0] != "{"
         if self.in_call:
             return []
-        if not self.plain:
-            head = self.buf.lstrip()
-            if not head:
-                return []
-            self.in_call, self.plain = head[0] == "{", head[0] != "{"
-            if self.in_call:
-                return []
-        out, self.buf = [{"content": self.buf}], ""
+        out, self.held = [{"content": "".join(self.held)}], []
         return out
 
     def _one_too_many(self) -> bool:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
-
 import msgspec
 
 from service.openai_schema import _Message
@@ -13,14 +11,15 @@ from service.openai_schema import _Message
 
 @dataclass
 class _Stored:
-    body: dict[str, Any]  # the response object, as it was answered
+    body: bytes  # the response object's JSON, as it was answered
     turn: list[_Message]  # its input messages, then its answer's (what a later turn's conversation takes from it)
     previous: str | None  # the response it continued
     size: int  # bytes: the body's and the turn's JSON
 
 
 class ResponseStore:
-    """Stored responses by id, at most `max_bytes` of their JSON; the least recently used go first. A response keeps
+    """Stored responses by id, at most `max_bytes` of their JSON (each response's, encoded, and its turn's); the least
+    recently used go first. A response keeps
     only its own turn and its predecessor's id, so a conversation costs what its turns do, once; one whose earlier
     turns were evicted (or deleted) can no longer be continued."""
 
@@ -29,11 +28,11 @@ class ResponseStore:
         self._items: OrderedDict[str, _Stored] = OrderedDict()
         self._bytes = 0
 
-    def put(self, body: dict[str, Any], turn: list[_Message], previous: str | None) -> None:
-        size = len(msgspec.json.encode(body)) + len(msgspec.json.encode(turn))
+    def put(self, response_id: str, body: bytes, turn: list[_Message], previous: str | None) -> None:
+        size = len(body) + len(msgspec.json.encode(turn))
         if size > self.max_bytes:
             return  # (larger than the whole store: not kept, as with no store)
-        self._items[body["id"]] = _Stored(body, turn, previous, size)
+        self._items[response_id] = _Stored(body, turn, previous, size)
         self._bytes += size
         while self._bytes > self.max_bytes:
             self._bytes -= self._items.popitem(last=False)[1].size

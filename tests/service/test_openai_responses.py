@@ -27,7 +27,7 @@ ENDS = {"guided_regex": r"Hello( big| small){0,3} world\."}
 @pytest.fixture(scope="module")
 def server(tools_model_dir):
     config = ServerConfig(model=str(tools_model_dir), served_model_name=MODEL, num_kv_blocks=256, max_model_len=1024,
-                          engine_process=False)
+                          engine_process=False, enable_auto_tool_choice=True, tool_call_parser="hermes")
     with in_process(build_app(config), "responses-server") as s:
         yield s
 
@@ -157,6 +157,11 @@ def test_text_format_and_logprobs(client: openai.OpenAI) -> None:
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"n": 2}, "n"),
     ({"max_tokens": 5}, "max_tokens"),
+    ({"max_output_tokens": 5000}, "max_output_tokens"),  # (more than the context leaves: named as the API names it)
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
+    ({"input": [{"role": "user"}]}, "input[0].content"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
@@ -179,7 +184,7 @@ def test_the_store_keeps_what_its_bound_holds() -> None:
     store = ResponseStore(max_bytes=2_000)
 
     def put(i: str, previous: str | None = None, size: int = 100) -> None:
-        store.put({"id": i, "text": "x" * size}, [_Message("user", i)], previous)
+        store.put(i, b"x" * size, [_Message("user", i)], previous)
 
     put("a")
     put("b", "a")
@@ -193,3 +198,55 @@ def test_the_store_keeps_what_its_bound_holds() -> None:
     put("huge", size=5_000)
     assert store.get("huge") is None
     assert store.delete("c11") and not store.delete("c11")
+
+
+def test_whole_and_streamed_answers_make_the_same_items(client: openai.OpenAI, server) -> None:
+    """With tools the model may call (auto), the items come in the order the answer makes them, whole or streamed:
+    its text, then its call; whitespace alone around a call makes no message. Every body is what the client's types
+    require (validated strictly)."""
+    from openai.types.responses import Response as SDKResponse
+
+    regex = r'Hi there <tool_call>\{"name": "get_weather", "arguments": \{"city": "Rome", "unit": "C"\}\}</tool_call>\n'
+    kw = dict(input="Weather?", tools=[TOOL], max_output_tokens=100, extra_body={**ENDS, "guided_regex": regex})
+    whole = client.responses.create(model=MODEL, **kw)
+    _, streamed = _streamed(client, **kw)
+    for r in (whole, streamed):
+        assert [(i.type, getattr(i, "name", None)) for i in r.output] == [("message", None),
+                                                                          ("function_call", "get_weather")]
+        assert r.output[0].content[0].text == "Hi there " and r.status == "completed"
+    assert streamed.output[1].arguments == whole.output[1].arguments
+    with httpx.Client(base_url=f"{server.url}/v1", timeout=60) as http:
+        raw = http.post("/responses", json={"model": MODEL, **{k: v for k, v in kw.items() if k != "extra_body"},
+                                            **kw["extra_body"], "stream_options": {"include_obfuscation": False}})
+        assert raw.status_code == 200, raw.text
+        SDKResponse.model_validate(raw.json(), strict=True)
+
+
+def test_a_call_cut_off_still_lets_the_conversation_go_on(client: openai.OpenAI) -> None:
+    """A named call cut off by max_output_tokens is in the output as far as it got; its conversation keeps it with
+    `{}` for arguments (what a chat template can show), so the next turn still goes."""
+    r = client.responses.create(model=MODEL, input="Weather?", tools=[TOOL], max_output_tokens=4,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = r.output
+    assert r.status == "incomplete" and call.type == "function_call" and call.status == "incomplete"
+    with pytest.raises(ValueError):
+        json.loads(call.arguments)
+    after = client.responses.create(model=MODEL, previous_response_id=r.id, tools=[TOOL], tool_choice="none",
+                                    max_output_tokens=2, input=[{"type": "function_call_output",
+                                                                 "call_id": call.call_id, "output": "sunny"}])
+    assert after.status == "incomplete" and after.usage.input_tokens > r.usage.input_tokens
+
+
+def test_tokenize_refuses_a_flood_before_tokenizing(server) -> None:
+    """(This module's server has a 1,024-token context and the default body limit.) /tokenize counts a prompt over
+    the context, but one whose lower bound on tokens fills four contexts is refused before the tokenizer sees it, as
+    a completion's is; max_tokens 0 leaves no room for min_tokens."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/tokenize", json={"prompt": "word " * 1000})
+        assert r.status_code == 200 and r.json()["count"] > 1024, r.text
+        for body in ({"prompt": "x" * 70_000}, {"messages": [{"role": "user", "content": "x"}] * 30_000}):
+            r = http.post("/tokenize", json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0, "echo": True,
+                                               "min_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text

@@ -136,6 +136,9 @@ LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "C"
     (LLAMA_CALL, ["Rome"]), (" \n" + LLAMA_CALL + "; " + LLAMA_CALL.replace("Rome", "Oslo"), ["Rome", "Oslo"]),
     ("It is sunny in Rome.", []), (LLAMA_CALL + " and then some text", []), ('{"city": "Rome"}', []),
     (LLAMA_CALL[:-3], []),  # cut off
+    ('{"name": "Alice", "parameters": {"age": 30}}', []),  # (not one of the tools: JSON the answer holds)
+    ('{"name": "get_weather", "age": 30}', []),  # (no arguments: not a call)
+    ("\n" * 50 + "It is sunny.", []),
     ("{" * 990, []),  # (deeper than a body may nest: text, not a RecursionError)
 ])
 def test_llama3_json_streamed_anyhow(text: str, cities: list[str]) -> None:
