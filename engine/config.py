@@ -62,6 +62,7 @@ class EngineConfig:
     async_scheduling: bool = False  # schedule and prepare step N+1 while step N runs (its outputs made then too; §4)
     enforce_eager: bool = True  # False: steps replay CUDA graphs (engine/cuda_graphs.py; on until a GPU has measured them)
     cudagraph_mode: str = "full"  # with graphs: "full" (decode and mixed steps) or "full_decode_only" (vLLM's names)
+    chat_template: str | None = None  # a Jinja chat template (its text) in place of the model's own
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:

@@ -118,7 +118,7 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.send_layout(layout.num_blocks, layout.block_size, layout.max_model_len)
         self.max_model_len = layout.max_model_len
-        self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len)
+        self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len, config.chat_template)
         self.tokenizer = self.processor.tokenizer
         self.token_text = TokenText(self.tokenizer)  # logprobs' token names and bytes
         self.eos_token_ids = loader.eos_token_ids(model_dir, self.tokenizer)

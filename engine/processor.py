@@ -32,8 +32,23 @@ Messages = Sequence[Any]  # {"role", "content"} dicts, or objects with those att
 
 
 class InputProcessor:
-    def __init__(self, model_dir: str | Path, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, model_dir: str | Path, vocab_size: int, max_model_len: int,
+                 chat_template: str | None = None) -> None:
+        """`chat_template`: a Jinja chat template's text in place of the model's own (vLLM's `--chat-template`);
+        raises `ValueError` if it does not parse."""
         self.tokenizer = loader.load_tokenizer(model_dir)
+        if chat_template is not None:
+            import jinja2
+
+            try:  # (compiled as transformers compiles it, with its extensions: a bad template fails here, at once)
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+            except ImportError:  # (a transformers that moved it: the first chat finds the error instead)
+                _compile_jinja_template = str
+            try:
+                _compile_jinja_template(chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"chat_template: line {e.lineno}: {e.message}") from None
+            self.tokenizer.chat_template = chat_template
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.tokens_per_message = self._tokens_per_message()

@@ -61,6 +61,7 @@ class ServerConfig:
     served_model_name: str | None = None
     enable_auto_tool_choice: bool = False  # (vLLM's) chat tool_choice "auto": the answer parsed for calls
     tool_call_parser: str | None = None  # how: `hermes` or `llama3_json` (service/openai_tools.py)
+    chat_template: str | None = None  # (vLLM's) a Jinja chat template file, or the template itself, for the model's
     responses_store_mb: float = 256.0  # the Responses API's stored responses (service/openai_responses.py); 0: none
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
@@ -97,6 +98,8 @@ class ServerConfig:
             raise ValueError("--engine-iteration-timeout-s must be >= 0 (0: no watchdog)")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.chat_template is not None:
+            chat_template_text(self.chat_template)  # (a flag that names no file fails here, at once)
         if not self.responses_store_mb >= 0:
             raise ValueError("--responses-store-mb must be >= 0 (0: store no responses)")
         if self.api_key is not None and not self.api_key:
@@ -111,7 +114,19 @@ class ServerConfig:
         kwargs["enforce_eager"] = self.enforce_eager
         kwargs["async_output_proc"] = self.async_output_proc
         kwargs["async_scheduling"] = self.async_scheduling
+        if self.chat_template is not None:
+            kwargs["chat_template"] = chat_template_text(self.chat_template)
         return kwargs
+
+
+def chat_template_text(value: str) -> str:
+    """`--chat-template`: a file's text, or, as vLLM takes it, the template itself (Jinja, on one line)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{%" in value or "{{" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -242,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=d.tool_call_parser,
                    help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes) or "
                         "llama3_json (an answer of {\"name\", \"parameters\"} objects: Llama 3.1-3.3)")
+    s.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) in place of the model's own: for a "
+                        "model without one, or to show tools another way (vLLM's flag)")
     s.add_argument("--responses-store-mb", type=float, default=d.responses_store_mb, metavar="MB",
                    help="memory for the Responses API's stored responses (store: true, the default), which "
                         "previous_response_id continues; least recently used out first, all lost on restart; 0: "

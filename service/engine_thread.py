@@ -160,7 +160,8 @@ class EngineWorker:
                     n = engine.pin_prefix(engine.processor.system_prefix_ids(text))
                     log.info("pinned a system prompt prefix of %d tokens", n)
                 self._busy(None)
-                processor = InputProcessor(engine.model_dir, engine.model_config.vocab_size, engine.max_model_len)
+                processor = InputProcessor(engine.model_dir, engine.model_config.vocab_size, engine.max_model_len,
+                                           engine.config.chat_template)
             except OSError as e:  # the model directory is missing or unreadable; the message says which and why
                 log.error("cannot load the model: %s", e)
                 return self._post("on_fatal", f"cannot load the model: {e}")
