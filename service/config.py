@@ -62,6 +62,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # (vLLM's) chat tool_choice "auto": the answer parsed for calls
     tool_call_parser: str | None = None  # how: `hermes` or `llama3_json` (service/openai_tools.py)
     chat_template: str | None = None  # (vLLM's) a Jinja chat template file, or the template itself, for the model's
+    reasoning_parser: str | None = None  # (vLLM's) `deepseek_r1` or `qwen3`: the answer's reasoning apart
     responses_store_mb: float = 256.0  # the Responses API's stored responses (service/openai_responses.py); 0: none
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
@@ -257,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=d.tool_call_parser,
                    help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes) or "
                         "llama3_json (an answer of {\"name\", \"parameters\"} objects: Llama 3.1-3.3)")
+    s.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=d.reasoning_parser,
+                   help="OpenAI answers give a reasoning model's <think> text apart from its content (chat "
+                        "completions' reasoning_content, the Responses API's reasoning item): deepseek_r1 (the answer "
+                        "starts in its reasoning: DeepSeek-R1, QwQ) or qwen3 (only an answer that opens <think>)")
     s.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) in place of the model's own: for a "
                         "model without one, or to show tools another way (vLLM's flag)")

@@ -160,7 +160,8 @@ def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
                           tools=tools.tools, documents=body.documents, template_kwargs=template_kwargs(body))
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
     render = ChatRender(svc.model_name, bool(body.logprobs), echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
-                        tools=tools if tools.mode != "none" else None, prompt_logprobs=body.prompt_logprobs)
+                        tools=tools if tools.mode != "none" else None, prompt_logprobs=body.prompt_logprobs,
+                        reasoning=svc.config.reasoning_parser)
     return req, render
 
 

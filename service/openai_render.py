@@ -11,9 +11,10 @@ from typing import Any, Protocol
 
 import msgspec
 
-from service import openai_tools
+from service import openai_reasoning, openai_tools
 from service.openai_errors import HTTPError, error_body
 from service.handle import PromptLogprobs, RequestHandle, TokenLogprobs
+from service.openai_reasoning import ThinkStream
 from service.openai_tools import ToolPlan, ToolStream
 
 
@@ -126,14 +127,18 @@ class ChatRender(_Base):
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: ChatRender | None = None, *,
                  echo: str = "", token_ids: bool = False, tools: ToolPlan | None = None,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None, reasoning: str | None = None) -> None:
         """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's); `tools`: what
-        the request's tools ask of the answer (service/openai_tools.py: its calls parsed out of the text)."""
+        the request's tools ask of the answer (service/openai_tools.py: its calls parsed out of the text);
+        `reasoning`: the server's `--reasoning-parser` (service/openai_reasoning.py: the answer's reasoning apart, as
+        `reasoning_content`; the tools parse its content)."""
         super().__init__(model, logprobs, index, first, token_ids=token_ids, prompt_logprobs=prompt_logprobs)
         self.echo = first.echo if first is not None else echo
         self.tools = first.tools if first is not None else tools
+        self.reasoning = first.reasoning if first is not None else reasoning
         self.stream = ToolStream(self.tools) if self.tools is not None else None
-        self.held: list[TokenLogprobs] = []  # a stream's logprobs of text the tool parser holds back
+        self.think = ThinkStream(self.reasoning) if self.reasoning is not None else None
+        self.held: list[TokenLogprobs] = []  # a stream's logprobs of text the parsers hold back
 
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
         body = super().response(renders, handles, n)
@@ -150,7 +155,10 @@ class ChatRender(_Base):
 
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
-        message: dict[str, Any] = {"role": "assistant", "content": self.echo + text}
+        message: dict[str, Any] = {"role": "assistant", "content": None}
+        if self.reasoning is not None:
+            message["reasoning_content"], text = openai_reasoning.split(self.reasoning, text)
+        message["content"] = self.echo + text
         reason = _finish_reason(h)
         if self.tools is not None:
             content, calls = openai_tools.answer(self.tools, text)
@@ -170,11 +178,26 @@ class ChatRender(_Base):
         return chunks
 
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
+        if self.think is not None:
+            return self._deltas(self._content(self.think.feed(text)), lps, include_usage)
         if self.stream is None:
             return [self._chunk([{"index": self.index, "delta": {"content": text},
                                   "logprobs": self._lp(lps) if self.logprobs else None, "finish_reason": None}],
                                 include_usage)]
         return self._deltas(self.stream.feed(text), lps, include_usage)
+
+    def _content(self, parts: list[openai_reasoning.Part]) -> list[dict[str, Any]]:
+        """The reasoning parser's parts as deltas: its reasoning as `reasoning_content`, its content through the tool
+        parser, if any."""
+        deltas: list[dict[str, Any]] = []
+        for kind, piece in parts:
+            if kind == "reasoning":
+                deltas.append({"reasoning_content": piece})
+            elif self.stream is not None:
+                deltas += self.stream.feed(piece)
+            else:
+                deltas.append({"content": piece})
+        return deltas
 
     def _deltas(self, deltas: list[dict[str, Any]], lps: list[TokenLogprobs],
                 include_usage: bool) -> list[dict[str, Any]]:
@@ -189,9 +212,9 @@ class ChatRender(_Base):
 
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         reason = _finish_reason(h)
-        chunks = []
+        chunks = self._deltas(self._content(self.think.end()), [], include_usage) if self.think is not None else []
         if self.stream is not None:
-            chunks = self._deltas(self.stream.end(reason), [], include_usage)
+            chunks += self._deltas(self.stream.end(reason), [], include_usage)
             reason = openai_tools.finish_reason(self.tools, reason, self.stream.calls > 0)  # type: ignore[arg-type]
         held, self.held = self.held, []  # (the end token's, say: no text of theirs to ride with)
         return chunks + [self._chunk([{"index": self.index, "delta": {},

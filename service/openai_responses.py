@@ -97,6 +97,8 @@ def _messages(items: str | list[ResponseInputItem]) -> list[_Message]:
                 out[-1].tool_calls = [*(out[-1].tool_calls or ()), call]
             else:
                 out.append(_Message("assistant", None, tool_calls=[call]))
+        elif item.type == "reasoning":
+            continue  # (an earlier answer's reasoning, given back: chat templates leave earlier reasoning out)
         elif item.type == "function_call_output":
             if not item.call_id or item.output is None:
                 raise HTTPError(400, f"{at}: a function_call_output needs the call_id of its call and its output",
@@ -181,6 +183,11 @@ def _part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
             "arguments": arguments}
+
+
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
 
 
 def _item_id(prefix: str) -> str:
@@ -294,6 +301,8 @@ class ResponsesRender:
         for chunk in chunks:
             choice = chunk["choices"][0]
             delta = choice["delta"]
+            if "reasoning_content" in delta:
+                events += self._reasoning(delta["reasoning_content"])
             if "content" in delta:
                 events += self._text(delta["content"], choice["logprobs"]["content"] if choice["logprobs"] else [])
             for call in delta.get("tool_calls", ()):
@@ -330,6 +339,19 @@ class ResponsesRender:
                                   content_index=0, delta=text, logprobs=lps))
         return events
 
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        """`--reasoning-parser`: the answer's reasoning as a `reasoning` item (its text as `reasoning_text`)."""
+        events: list[dict[str, Any]] = []
+        if self.open is None or self.open["type"] != "reasoning":
+            events += self._close("completed")
+            self.open = {"type": "reasoning", "id": _item_id("rs"), "text": ""}
+            events.append(self._event("response.output_item.added", output_index=len(self.items),
+                                      item=_reasoning_item(self.open["id"], None, "in_progress")))
+        self.open["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
+                                  output_index=len(self.items), content_index=0, delta=text))
+        return events
+
     def _open_message(self) -> list[dict[str, Any]]:
         self.open = {"type": "message", "id": _item_id("msg"), "text": "", "logprobs": []}
         at = len(self.items)
@@ -349,6 +371,10 @@ class ResponsesRender:
                                   text=o["text"], logprobs=o["logprobs"]),
                       self._event("response.content_part.done", item_id=o["id"], output_index=at, content_index=0,
                                   part=item["content"][0])]
+        elif o["type"] == "reasoning":
+            item = _reasoning_item(o["id"], o["text"], status)
+            events = [self._event("response.reasoning_text.done", item_id=o["id"], output_index=at, content_index=0,
+                                  text=o["text"])]
         else:
             item = _call_item(o["id"], o["call_id"], o["name"], o["arguments"], status)
             events = [self._event("response.function_call_arguments.done", item_id=o["id"], output_index=at,

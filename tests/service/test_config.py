@@ -86,6 +86,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_ASYNC_SCHEDULING": "yes", "SLUICE_CUDAGRAPH_MODE": "FULL_DECODE_ONLY", "SLUICE_ENGINE_PROCESS": "0",
         "SLUICE_ENABLE_AUTO_TOOL_CHOICE": "1", "SLUICE_TOOL_CALL_PARSER": "hermes",
         "SLUICE_RESPONSES_STORE_MB": "0.5", "SLUICE_CHAT_TEMPLATE": "{{ messages[0]['content'] }}",
+        "SLUICE_REASONING_PARSER": "qwen3",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -94,7 +95,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         max_num_batched_tokens=512, max_model_len=1024, scheduling="static", prefix_caching=False,
         long_prefill_token_threshold=64, max_num_partial_prefills=2, itl_slo_ms=150.0, seed=7, pin_system_prompt=(str(prompt_a), str(prompt_b)),
         host="0.0.0.0", port=9000, served_model_name="m", enable_auto_tool_choice=True, tool_call_parser="hermes", responses_store_mb=0.5,
-        chat_template="{{ messages[0]['content'] }}",
+        chat_template="{{ messages[0]['content'] }}", reasoning_parser="qwen3",
         api_key="k", allowed_origins=("http://a.example", "http://b.example"),
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
         timeout_graceful_shutdown=2.5, log_level="debug", max_pending_auth=7, max_http_connections=99,

@@ -164,7 +164,7 @@ def test_text_format_and_logprobs(client: openai.OpenAI) -> None:
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "rs_1"}]}, "input[0].type"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": []}, "input"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
