@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 from engine import Checkpoint, LLMEngine, PromptTooLongError, SamplingParams
 from engine.processor import InputProcessor
 from service.engine_process import EngineProcess
-from service.engine_thread import Abort, Add, EngineHost, EngineReady, EngineThread, StepResult, Stop
+from service.engine_thread import (
+    Abort, Add, EngineHost, EngineReady, EngineThread, StepResult, Stop, freeze_startup_heap,
+)
 from service.fair_executor import FairExecutor
 from service.handle import GenerateRequest, PromptScores, RequestError, RequestHandle, TokenRate
 
@@ -251,7 +253,7 @@ class EngineBridge:
             return self._finish(handle, None, RequestError("internal", "the server failed to tokenize the prompt"))
         assert self._engine is not None
         if req.echo_ids:  # (the engine's logprobs, if it sends them, take their place)
-            handle.prompt_scores = PromptScores(ids, [None] * len(ids))
+            handle.prompt_scores = PromptScores.of(ids, None)
         add = Add(handle.request_id, ids, params, req.fit_max_tokens)
         self._sent[handle.request_id] = _Sent(add)
         self._engine.send(add)
@@ -260,6 +262,7 @@ class EngineBridge:
     def on_ready(self, ready: EngineReady) -> None:
         self.model_name, self.max_model_len, self.stats = ready.model_name, ready.max_model_len, ready.stats
         self._processor = ready.processor
+        freeze_startup_heap()  # (this process's: in --engine-process mode the engine's froze its own)
         self.ready = True
         if self.recovering:
             log.info("engine rebuilt: %d requests resumed", len(self._sent))

@@ -14,6 +14,7 @@ then writes once per socket per turn, not once per step: it catches up instead o
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -169,6 +170,7 @@ class EngineWorker:
                 log.exception("cannot start the engine")
                 return self._post("on_fatal", f"cannot start the engine: {type(e).__name__}: {e}")
             self.engine = engine
+            freeze_startup_heap()
             self._post("on_ready", EngineReady(engine.model_name, engine.max_model_len, engine.stats(), processor))
             while self._iteration(engine):
                 pass
@@ -347,12 +349,21 @@ class EngineThread(EngineHost):
         self._inbox.put(Stop())
 
 
+def freeze_startup_heap() -> None:
+    """Once the engine is built: every object made so far (torch's, transformers', the model's Python side: a million
+    or more) leaves the cyclic collector's view for good (vLLM does the same). A full collection scans every tracked
+    object while it holds the interpreter lock: with them, one took 80-165 ms, long enough to stall every stream of
+    the thread or process it ran in; without them, it scans what was made since."""
+    gc.collect()
+    gc.freeze()
+
+
 def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:
     lps = None
     if o.logprobs:  # present only when the request asked for them
         tt = engine.token_text
         lps = [(lp.token_id, tt.name(lp.token_id), tt.bytes(lp.token_id), lp.logprob,
                 [(t, tt.name(t), tt.bytes(t), v) for t, v in lp.top]) for lp in o.logprobs]
-    plps = None if o.prompt_logprobs is None else PromptScores(o.prompt_token_ids, o.prompt_logprobs)
+    plps = None if o.prompt_logprobs is None else PromptScores.of(o.prompt_token_ids, o.prompt_logprobs)
     return Delivery(o.request_id, o.new_token_ids, o.text_delta, o.finish_reason if o.finished else None,
                     o.num_prompt_tokens, o.num_cached_tokens, lps, o.rng_state, plps)

@@ -5,7 +5,9 @@ whatever the consumer has not taken yet is merged, never queued per step.
 """
 from __future__ import annotations
 
+import math
 import time
+from array import array
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -23,21 +25,47 @@ PromptLogprobs = tuple[int, str, bytes, float | None, int | None, list[tuple[int
 
 
 class PromptScores(NamedTuple):
-    """A prompt's ids and their logprobs as the engine gives them (the first's None), before any name: a long
-    prompt's are thousands of tokens, each with its top alternatives, too many to name on the engine thread or the
-    loop (`named`, on the tokenizer thread: service/bridge.py `off_loop`)."""
+    """A prompt's ids and the engine's logprobs of them, before any name, in flat arrays: a long prompt's are thousands
+    of tokens, each with its top alternatives, too many to name on the engine thread or the loop (`named`, on the
+    tokenizer thread: service/bridge.py `off_loop`), and as Python objects, millions to pickle, unpickle and have the
+    cyclic collector scan (a full collection holds every thread of the process). `of`: from the engine's list."""
     token_ids: list[int]
-    logprobs: list[PromptLogprob | None]
+    logprobs: array | None  # per token (the first: NaN); None: no logprobs, the ids alone (an echo's text)
+    ranks: array | None
+    counts: array | None  # each token's number of top alternatives, in `top_ids` / `top_logprobs` in turn
+    top_ids: array | None
+    top_logprobs: array | None
+
+    @classmethod
+    def of(cls, token_ids: list[int], logprobs: list[PromptLogprob | None] | None) -> PromptScores:
+        if logprobs is None:
+            return cls(token_ids, None, None, None, None, None)
+        lps, ranks, counts, top_ids, top_lps = array("d"), array("q"), array("q"), array("q"), array("d")
+        for lp in logprobs:
+            if lp is None:
+                lps.append(math.nan), ranks.append(0), counts.append(0)
+                continue
+            lps.append(lp.logprob), ranks.append(lp.rank), counts.append(len(lp.top))
+            for i, v in lp.top:
+                top_ids.append(i), top_lps.append(v)
+        return cls(token_ids, lps, ranks, counts, top_ids, top_lps)
 
     def named(self, tt: TokenText) -> list[PromptLogprobs]:
         """The renderers' form: each token's name, bytes and piece of the prompt's text, decoded as an answer's
-        text is (a character split over tokens comes with its last)."""
+        text is (a character split over tokens comes with its last); the first token's logprob and rank None."""
         det = IncrementalDetokenizer(tt.tokenizer, [], [])
         out: list[PromptLogprobs] = []
-        for t, lp in zip(self.token_ids, self.logprobs):
+        at = 0  # (in the top arrays)
+        for j, t in enumerate(self.token_ids):
             det.add_token(t)
-            out.append((t, tt.name(t), tt.bytes(t), None if lp is None else lp.logprob, None if lp is None else lp.rank,
-                        [] if lp is None else [(a, tt.name(a), tt.bytes(a), v) for a, v in lp.top], det.delta(False)))
+            lp = None if self.logprobs is None or math.isnan(self.logprobs[j]) else self.logprobs[j]
+            top: list[tuple[int, str, bytes, float]] = []
+            if self.counts is not None and (k := self.counts[j]):
+                top = [(a, tt.name(a), tt.bytes(a), v) for a, v in zip(self.top_ids[at:at + k],  # type: ignore[index]
+                                                                       self.top_logprobs[at:at + k])]  # type: ignore
+                at += k
+            out.append((t, tt.name(t), tt.bytes(t), lp, None if lp is None else self.ranks[j],  # type: ignore[index]
+                        top, det.delta(False)))
         if out and (rest := det.delta(True)):
             out[-1] = (*out[-1][:6], out[-1][6] + rest)
         return out

@@ -48,3 +48,25 @@ def test_token_rate() -> None:
         rate.add(float(t), 100 * t)
     assert rate.per_s(9.0) == pytest.approx(100.0)
     assert rate.per_s(100.0) == 0.0  # idle for longer than the window
+
+
+def test_prompt_scores_travel_flat_and_name_every_token(tiny_model_dir) -> None:
+    """A prompt's logprobs cross from the engine as a few flat arrays (not a million objects to pickle, unpickle and
+    have the cyclic collector scan), and name back to each token's logprob, rank and alternatives."""
+    import pickle
+    from array import array
+
+    from engine import PromptLogprob
+    from engine.processor import InputProcessor
+    from service.handle import PromptScores
+
+    ids = list(range(40, 440))
+    lps = [None] + [PromptLogprob(t, -0.5 * j, j, [(t + 1, -0.1), (t + 2, -0.2)]) for j, t in enumerate(ids[1:], 1)]
+    scores = pickle.loads(pickle.dumps(PromptScores.of(ids, lps)))
+    assert all(isinstance(x, array) for x in scores[1:])  # (five objects, whatever the prompt's length)
+    named = scores.named(InputProcessor(tiny_model_dir, 1024, 512).token_text)
+    assert [n[0] for n in named] == ids and named[0][3:6] == (None, None, [])
+    assert [(n[3], n[4], [a[0] for a in n[5]], [a[3] for a in n[5]]) for n in named[1:]] == [
+        (lp.logprob, lp.rank, [t for t, _ in lp.top], [v for _, v in lp.top]) for lp in lps[1:]]
+    assert [n[3] for n in PromptScores.of(ids, None).named(InputProcessor(tiny_model_dir, 1024, 512).token_text)] == \
+        [None] * len(ids)
