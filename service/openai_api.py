@@ -161,7 +161,8 @@ def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
     render = ChatRender(svc.model_name, bool(body.logprobs), echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
                         tools=tools if tools.mode != "none" else None, prompt_logprobs=body.prompt_logprobs,
-                        reasoning=svc.config.reasoning_parser)
+                        reasoning=svc.config.reasoning_parser, held=kwargs.get("structured_output") is not None,
+                        continued=messages[-1]["content"] or "" if continue_final else None)
     return req, render
 
 

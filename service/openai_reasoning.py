@@ -9,16 +9,20 @@ tags as text). Two conventions, by the server's `--reasoning-parser`:
 - `qwen3` (Qwen3's hybrid models, whose reasoning `enable_thinking: false` turns off): the answer is reasoning only if
   it starts with `<think>`, else all content.
 
+An answer the template did not open (held to a grammar from its first token, or continuing the last message, whose
+text is read first) follows qwen3's rule under either parser.
+
 `ThinkStream` splits text as it streams, in any pieces: what a whole answer gives is what its pieces give.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
-Part = tuple[Literal["reasoning", "content"], str]
+Kind = Literal["reasoning", "content"]
+Part = tuple[Kind, str, int]
 
 
 def _tag_prefix(text: str, tag: str) -> int:
@@ -27,53 +31,74 @@ def _tag_prefix(text: str, tag: str) -> int:
 
 
 class ThinkStream:
-    def __init__(self, parser: str) -> None:
+    """An answer's text, fed in pieces, as parts: `(kind, text, end)`, `end` where in the answer (characters fed
+    so far) the part's text ends, which places each token's logprobs with the part its text is in."""
+
+    def __init__(self, parser: str, *, opened: bool = True, prefix: str = "") -> None:
+        """`opened`: the answer starts where the chat template left it (false for an answer held to a grammar from
+        its first token, or one continuing the last message: no template opened `<think>` for it, so its reasoning
+        is only what it opens itself, whatever the parser); `prefix`: the text of the message it continues (read
+        first, which decides where the answer starts: in reasoning, or not; it does not count in `end`)."""
         assert parser in PARSERS, parser
-        self.parser = parser
+        # where an answer that does not open <think> starts
+        self.first: Kind = "reasoning" if parser == "deepseek_r1" and opened else "content"
         self.state: Literal["start", "reasoning", "content"] = "start"
-        self.buf = ""  # text not yet given out: the answer's opening (before its first tag is known), or a tag's start
+        self.lead: list[str] = []  # the answer's opening whitespace (before its first tag is known)
+        self.head = ""  # then the opening's first characters, as many as could begin <think>
+        self.buf = ""  # text not yet given out: the start of a closing tag, once the opening is known
+        self.fed = 0  # characters fed
+        if prefix:
+            self.feed(prefix)
+            self.fed = 0
 
     def feed(self, text: str) -> list[Part]:
-        self.buf += text
+        self.fed += len(text)
         out: list[Part] = []
         if self.state == "start":
-            head = self.buf.lstrip()
-            if len(head) < len(START) and START.startswith(head):
+            if not self.head:  # (the whitespace apart, so a long run of it is not stripped again and again)
+                body = text.lstrip()
+                self.lead.append(text[: len(text) - len(body)])
+                text = body
+            self.head += text
+            if len(self.head) < len(START) and START.startswith(self.head):
                 return out  # (all whitespace, or the opening tag's start)
-            if head.startswith(START):
-                self.buf, self.state = head[len(START):], "reasoning"
+            if self.head.startswith(START):
+                self.buf, self.state = self.head[len(START):], "reasoning"
             else:
-                self.state = "reasoning" if self.parser == "deepseek_r1" else "content"
+                self.buf, self.state = "".join(self.lead) + self.head, self.first
+            self.lead, self.head = [], ""
+        else:
+            self.buf += text
         if self.state == "reasoning":
             i = self.buf.find(END)
             if i < 0:
                 keep = _tag_prefix(self.buf, END)
                 if len(self.buf) > keep:
-                    out.append(("reasoning", self.buf[: len(self.buf) - keep]))
+                    out.append(("reasoning", self.buf[: len(self.buf) - keep], self.fed - keep))
                     self.buf = self.buf[len(self.buf) - keep:]
                 return out
             if i:
-                out.append(("reasoning", self.buf[:i]))
+                out.append(("reasoning", self.buf[:i], self.fed - len(self.buf) + i))
             self.buf, self.state = self.buf[i + len(END):], "content"
         if self.buf:
-            out.append(("content", self.buf))
+            out.append(("content", self.buf, self.fed))
             self.buf = ""
         return out
 
     def end(self) -> list[Part]:
-        """What was held back when the answer ended: an opening that never became a tag is the answer's (reasoning
-        for deepseek_r1, else content), as is an unfinished closing tag."""
-        rest, self.buf = self.buf, ""
-        if not rest:
-            return []
+        """What was held back when the answer ended: an opening that never became a tag is the answer's (where it
+        starts), as is an unfinished closing tag."""
         if self.state == "start":
-            return [("reasoning" if self.parser == "deepseek_r1" else "content", rest)]
-        return [(self.state, rest)]
+            rest, kind = "".join(self.lead) + self.head, self.first
+        else:
+            rest, kind = self.buf, self.state
+        self.lead, self.head, self.buf = [], "", ""
+        return [(kind, rest, self.fed)] if rest else []
 
 
-def split(parser: str, text: str) -> tuple[str | None, str]:
-    """A whole answer's reasoning (None if it has none) and content."""
-    stream = ThinkStream(parser)
+def split(parser: str, text: str, **kwargs: Any) -> tuple[str | None, str]:
+    """A whole answer's reasoning (None if it has none) and content (`kwargs`: ThinkStream's)."""
+    stream = ThinkStream(parser, **kwargs)
     parts = stream.feed(text) + stream.end()
-    reasoning = "".join(t for kind, t in parts if kind == "reasoning")
-    return reasoning or None, "".join(t for kind, t in parts if kind == "content")
+    reasoning = "".join(t for kind, t, _ in parts if kind == "reasoning")
+    return reasoning or None, "".join(t for kind, t, _ in parts if kind == "content")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import codecs
 import time
 import uuid
+from collections import deque
 from typing import Any, Protocol
 
 import msgspec
@@ -127,18 +128,28 @@ class ChatRender(_Base):
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: ChatRender | None = None, *,
                  echo: str = "", token_ids: bool = False, tools: ToolPlan | None = None,
-                 prompt_logprobs: int | None = None, reasoning: str | None = None) -> None:
+                 prompt_logprobs: int | None = None, reasoning: str | None = None, held: bool = False,
+                 continued: str | None = None) -> None:
         """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's); `tools`: what
         the request's tools ask of the answer (service/openai_tools.py: its calls parsed out of the text);
         `reasoning`: the server's `--reasoning-parser` (service/openai_reasoning.py: the answer's reasoning apart, as
-        `reasoning_content`; the tools parse its content)."""
+        `reasoning_content`; the tools parse its content), `held` if a grammar holds the answer from its first token,
+        `continued` the text of the message the answer continues (`continue_final_message`)."""
         super().__init__(model, logprobs, index, first, token_ids=token_ids, prompt_logprobs=prompt_logprobs)
         self.echo = first.echo if first is not None else echo
         self.tools = first.tools if first is not None else tools
         self.reasoning = first.reasoning if first is not None else reasoning
+        self.think_kwargs: dict[str, Any] = first.think_kwargs if first is not None else {
+            "opened": not held and continued is None, "prefix": continued or ""}
         self.stream = ToolStream(self.tools) if self.tools is not None else None
-        self.think = ThinkStream(self.reasoning) if self.reasoning is not None else None
+        self.think = ThinkStream(self.reasoning, **self.think_kwargs) if self.reasoning is not None else None
         self.held: list[TokenLogprobs] = []  # a stream's logprobs of text the parsers hold back
+        # with a reasoning parser: where each token's text ends in the answer (its bytes decoded), so its logprobs go
+        # with the part that text is in (the reasoning's, or the content's)
+        self.placed: deque[tuple[int, TokenLogprobs]] = deque()
+        self.chars = 0
+        self.given: tuple[openai_reasoning.Kind, int] = ("content", 0)  # the last part given out: its kind, its end
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
         body = super().response(renders, handles, n)
@@ -157,7 +168,7 @@ class ChatRender(_Base):
         text, _, lps = h.take()
         message: dict[str, Any] = {"role": "assistant", "content": None}
         if self.reasoning is not None:
-            message["reasoning_content"], text = openai_reasoning.split(self.reasoning, text)
+            message["reasoning_content"], text = openai_reasoning.split(self.reasoning, text, **self.think_kwargs)
         message["content"] = self.echo + text
         reason = _finish_reason(h)
         if self.tools is not None:
@@ -179,29 +190,38 @@ class ChatRender(_Base):
 
     def stream_delta(self, text: str, lps: list[TokenLogprobs], include_usage: bool) -> list[dict[str, Any]]:
         if self.think is not None:
-            return self._deltas(self._content(self.think.feed(text)), lps, include_usage)
+            for lp in lps:
+                self.chars += len(self.utf8.decode(lp[2]))
+                self.placed.append((self.chars, lp))
+            parts = self.think.feed(text)
+            if not parts and self.placed and self.placed[0][0] <= self.given[1]:  # (a token of no text: the end's)
+                parts = [(self.given[0], "", self.given[1])]
+            return self._parts(parts, include_usage)
         if self.stream is None:
             return [self._chunk([{"index": self.index, "delta": {"content": text},
                                   "logprobs": self._lp(lps) if self.logprobs else None, "finish_reason": None}],
                                 include_usage)]
         return self._deltas(self.stream.feed(text), lps, include_usage)
 
-    def _content(self, parts: list[openai_reasoning.Part]) -> list[dict[str, Any]]:
-        """The reasoning parser's parts as deltas: its reasoning as `reasoning_content`, its content through the tool
-        parser, if any."""
-        deltas: list[dict[str, Any]] = []
-        for kind, piece in parts:
+    def _parts(self, parts: list[openai_reasoning.Part], include_usage: bool) -> list[dict[str, Any]]:
+        """The reasoning parser's parts as chunks: its reasoning as `reasoning_content`, its content through the tool
+        parser, if any; each with the logprobs of the tokens whose text ends in it (a tag's, the next part's)."""
+        chunks: list[dict[str, Any]] = []
+        for kind, piece, end in parts:
+            self.given = (kind, end)
+            mine = []
+            while self.placed and self.placed[0][0] <= end:
+                mine.append(self.placed.popleft()[1])
             if kind == "reasoning":
-                deltas.append({"reasoning_content": piece})
-            elif self.stream is not None:
-                deltas += self.stream.feed(piece)
+                deltas = [{"reasoning_content": piece}]
             else:
-                deltas.append({"content": piece})
-        return deltas
+                deltas = self.stream.feed(piece) if self.stream is not None else [{"content": piece}]
+            chunks += self._deltas(deltas, mine, include_usage)
+        return chunks
 
     def _deltas(self, deltas: list[dict[str, Any]], lps: list[TokenLogprobs],
                 include_usage: bool) -> list[dict[str, Any]]:
-        """The tool parser's deltas as chunks, the logprobs of their tokens with the first (held back meanwhile)."""
+        """The parsers' deltas as chunks, the logprobs of their tokens with the first (held back meanwhile)."""
         self.held += lps
         if not deltas:
             return []
@@ -212,7 +232,9 @@ class ChatRender(_Base):
 
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         reason = _finish_reason(h)
-        chunks = self._deltas(self._content(self.think.end()), [], include_usage) if self.think is not None else []
+        chunks = self._parts(self.think.end(), include_usage) if self.think is not None else []
+        self.held += [lp for _, lp in self.placed]  # (tokens past the text, if their bytes make more characters)
+        self.placed.clear()
         if self.stream is not None:
             chunks += self._deltas(self.stream.end(reason), [], include_usage)
             reason = openai_tools.finish_reason(self.tools, reason, self.stream.calls > 0)  # type: ignore[arg-type]

@@ -40,14 +40,33 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {  # (as openai_schema._UNSUP
     "background": ((False,), "no background mode: ask without it"),
     "prompt": ((), "no stored prompt templates: give the input"),
     "conversation": ((), "no Conversations API: continue with previous_response_id"),
-    "reasoning": (({}, {"effort": None}, {"effort": "none"}, {"effort": None, "summary": None},
-                   {"effort": "none", "summary": None}), "this model does not reason"),
     "truncation": (("disabled",), "a conversation longer than the context is refused, never cut"),
     "max_tool_calls": ((), "no built-in tools"),
     "max_tokens": ((), "the Responses API's name is max_output_tokens"),
     "response_format": ((), "the Responses API's name is text.format"),
     "prompt_logprobs": ((), "not in the Responses API"),
 }
+
+
+_NO_REASONING = ({}, {"effort": None}, {"effort": "none"}, {"effort": None, "summary": None},
+                 {"effort": "none", "summary": None})
+
+
+def _reasoning_effort(body: ResponsesRequest, reasons: bool) -> str | None:
+    """`reasoning.effort`, for the chat template's `reasoning_effort`: with `--reasoning-parser` (the model reasons);
+    without, only neutral values. `summary` is accepted and has no effect (the reasoning is given whole)."""
+    r = body.reasoning
+    if r is None or (not reasons and r in _NO_REASONING):
+        return None
+    if not reasons:
+        raise HTTPError(400, "`reasoning` is not supported by this server (its model does not reason: no "
+                             "--reasoning-parser); leave it out", param="reasoning", code="unsupported_parameter")
+    if not isinstance(r, dict) or not set(r) <= {"effort", "summary", "generate_summary"}:
+        raise HTTPError(400, "reasoning must be an object with `effort` and `summary`", param="reasoning")
+    effort = r.get("effort")
+    if effort is not None and not (isinstance(effort, str) and len(effort) <= 32):
+        raise HTTPError(400, "reasoning.effort must be a string (low, medium, high, ...)", param="reasoning.effort")
+    return effort
 
 
 def _refuse(body: ResponsesRequest) -> None:
@@ -145,9 +164,12 @@ def _format(body: ResponsesRequest) -> dict[str, Any] | None:
                     param="text.format.type")
 
 
-def as_chat(body: ResponsesRequest, history: list[_Message]) -> tuple[ChatCompletionRequest, list[_Message]]:
-    """The chat request a response is, and its turn's input messages (what the store keeps of them)."""
+def as_chat(body: ResponsesRequest, history: list[_Message],
+            reasons: bool = False) -> tuple[ChatCompletionRequest, list[_Message]]:
+    """The chat request a response is, and its turn's input messages (what the store keeps of them); `reasons`: the
+    server has a `--reasoning-parser`."""
     _refuse(body)
+    effort = _reasoning_effort(body, reasons)
     turn = _messages(body.input)
     if not turn:
         raise HTTPError(400, "input must hold at least one item", param="input")
@@ -159,7 +181,8 @@ def as_chat(body: ResponsesRequest, history: list[_Message]) -> tuple[ChatComple
     chat = ChatCompletionRequest(**common, messages=[*instructions, *history, *turn],
                                  max_completion_tokens=body.max_output_tokens, logprobs=logprobs,
                                  top_logprobs=(body.top_logprobs or 0) if logprobs else None, tools=tools,
-                                 tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls)
+                                 tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+                                 reasoning_effort=effort)
     return chat, turn
 
 
@@ -230,13 +253,17 @@ class ResponsesRender:
                 "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
-                "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "previous_response_id": b.previous_response_id, "reasoning": self._reasoning_param(),
                 "store": b.store is not False, "temperature": 1.0 if b.temperature is None else b.temperature,
                 "text": {"format": msgspec.to_builtins(text) if text is not None else {"type": "text"}},
                 "tool_choice": msgspec.to_builtins(b.tool_choice) if b.tool_choice is not None else "auto",
                 "tools": msgspec.to_builtins(b.tools or []), "top_logprobs": b.top_logprobs or 0,
                 "top_p": 1.0 if b.top_p is None else b.top_p, "truncation": "disabled",
                 "usage": _usage(h) if h is not None else None, "user": b.user, "metadata": b.metadata or {}}
+
+    def _reasoning_param(self) -> dict[str, Any]:
+        r = self.body.reasoning if isinstance(self.body.reasoning, dict) else {}
+        return {"effort": r.get("effort"), "summary": r.get("summary")}
 
     def _end(self, h: RequestHandle) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The answer's last events (its open item closed) and the final response object, handed to `done`."""
@@ -410,7 +437,7 @@ async def create_response(request: Request) -> Response:
                 raise HTTPError(400, f"Previous response with id '{body.previous_response_id}' not found.",
                                 param="previous_response_id", code="previous_response_not_found")
             history = found
-        chat, turn = as_chat(body, history)
+        chat, turn = as_chat(body, history, svc.config.reasoning_parser is not None)
         req, chat_render = chat_request(svc, chat, _peer(request), api="responses")
         store, loop = body.store is not False, asyncio.get_running_loop()
 

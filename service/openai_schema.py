@@ -138,6 +138,8 @@ class ChatCompletionRequest(CommonRequest):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template: Any = None  # (refused: a client's template would run on the server's tokenizer thread)
+    # OpenAI's, for a reasoning model: given to the chat template as `reasoning_effort` (templates that read it use it)
+    reasoning_effort: Annotated[str, Meta(max_length=32)] | None = None
     # (vLLM's) more variables for the model's chat template (Qwen3's `enable_thinking`, say); documents for a RAG one
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
@@ -287,9 +289,13 @@ _TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents
                                  "tokenizer_kwargs", "bos_token", "eos_token", "raise_exception", "strftime_now"})
 
 
-def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any] | None:
-    """`chat_template_kwargs`, checked: each key a name the template can read, none of its own arguments."""
+def template_kwargs(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any] | None:
+    """`chat_template_kwargs` (and `reasoning_effort`), checked: each key a name the template can read, none of its
+    own arguments."""
     kwargs = body.chat_template_kwargs
+    effort = getattr(body, "reasoning_effort", None)  # (a chat completion's; not /tokenize's)
+    if effort is not None:  # (chat_template_kwargs, if it names it too, wins: as vLLM's)
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
     if not kwargs:
         return None
     for key in kwargs:

@@ -14,7 +14,8 @@ from service.app import build_app
 from service.config import ServerConfig, parse_config
 from tests.service.conftest import in_process
 
-TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if reasoning_effort is defined %}({{ reasoning_effort }}){% endif %}{% if add_generation_prompt %}>{% endif %}")
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
@@ -26,6 +27,13 @@ def test_the_servers_chat_template_replaces_the_models(tmp_path: Path, tiny_mode
         ids = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
         assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "[user] Hello there\n>"
         r = http.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+        # OpenAI's reasoning_effort is the template's variable (chat_template_kwargs', as vLLM gives it)
+        ids = http.post("/tokenize", json={"messages": MESSAGES,
+                                           "chat_template_kwargs": {"reasoning_effort": "high"}}).json()["tokens"]
+        assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "[user] Hello there\n(high)>"
+        r = http.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 1,
+                                                    "reasoning_effort": "high"})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
     # the engine's own API (a str chat templated on the engine thread) takes it too, inline
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_model_len=512,

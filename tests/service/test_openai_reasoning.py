@@ -33,15 +33,44 @@ def test_split_in_any_pieces(parser: str, text: str, reasoning: str | None, cont
     for size in (1, 2, 5):
         stream = ThinkStream(parser)
         parts = [p for i in range(0, len(text), size) for p in stream.feed(text[i:i + size])] + stream.end()
-        assert "".join(t for k, t in parts if k == "reasoning") == (reasoning or "")
-        assert "".join(t for k, t in parts if k == "content") == content
+        assert "".join(t for k, t, _ in parts if k == "reasoning") == (reasoning or "")
+        assert "".join(t for k, t, _ in parts if k == "content") == content
+
+
+def test_where_each_part_ends() -> None:
+    """A part's end is where its text ends in the answer (a tag's characters before the next part's), so a token's
+    logprobs go with the part its text is in."""
+    stream = ThinkStream("deepseek_r1")
+    assert stream.feed("ab</th") == [("reasoning", "ab", 2)]
+    assert stream.feed("ink>cd") == [("content", "cd", 12)]
+    stream = ThinkStream("qwen3")
+    assert stream.feed("  <th") == [] and stream.feed("ink>x</think>y") == [("reasoning", "x", 10),
+                                                                              ("content", "y", 19)]
+    stream = ThinkStream("qwen3")  # a long opening of whitespace is held apart (never stripped again), then given
+    assert all(stream.feed(" ") == [] for _ in range(10_000)) and not stream.head
+    assert stream.feed("Hi") == [("content", " " * 10_000 + "Hi", 10_002)]
+
+
+@pytest.mark.parametrize("kwargs, text, reasoning, content", [
+    # an answer held to a grammar from its first token: no template opened <think> for it
+    ({"opened": False}, "It is 4.", None, "It is 4."),
+    ({"opened": False}, "<think>x</think>It is 4.", "x", "It is 4."),
+    # continuing the last message: its text decides where the answer starts
+    ({"prefix": "<think>Let me"}, " see.</think>It is 4.", " see.", "It is 4."),
+    ({"prefix": "<think>Let me see.</th"}, "ink>It is 4.", None, "It is 4."),
+    ({"prefix": "<think>Hm.</think>It"}, " is 4.", None, " is 4."),
+    ({"prefix": "It"}, " is 4.", None, " is 4."),
+])
+def test_answers_the_template_did_not_open(kwargs: dict, text: str, reasoning: str | None, content: str) -> None:
+    opened = kwargs.pop("opened", "prefix" not in kwargs)
+    assert split("deepseek_r1", text, opened=opened, **kwargs) == (reasoning, content)
 
 
 def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
     config = ServerConfig(model=str(tools_model_dir), served_model_name="r1", num_kv_blocks=256, max_model_len=1024,
                           engine_process=False, reasoning_parser="deepseek_r1", enable_auto_tool_choice=True,
                           tool_call_parser="hermes")
-    regex = r"I add (two|three) and two\.</think>It is (4|5)\."
+    regex = r"<think>I add (two|three) and two\.</think>It is (4|5)\."
     with in_process(build_app(config), "reasoning-server") as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
         kw = dict(model="r1", messages=MESSAGES, max_tokens=100, logprobs=True, temperature=0,
@@ -60,8 +89,27 @@ def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
             n_logprobs += len(chunk.choices[0].logprobs.content) if chunk.choices[0].logprobs else 0
         assert streamed == {"reasoning_content": reasoning, "content": m.content} and n_logprobs == len(
             r.choices[0].logprobs.content)
+        # each token's logprobs ride with the part its text ends in (the tags' with the next part)
+        tokens = {"reasoning_content": "", "content": ""}
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            kind = "reasoning_content" if (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") else (
+                "content")
+            tokens[kind] += "".join(t.token for t in chunk.choices[0].logprobs.content) if chunk.choices[0].logprobs \
+                else ""
+        assert tokens["reasoning_content"] == "<think>" + reasoning
+        assert tokens["content"].startswith("</think>" + m.content)  # (and the end token's)
+        # a grammar holds the answer from its first token: no template opened <think> for it, so it is content
+        held = client.chat.completions.create(model="r1", messages=MESSAGES, max_tokens=20,
+                                              extra_body={"guided_regex": r"It is (4|5)\."}).choices[0].message
+        assert held.model_extra["reasoning_content"] is None and held.content.startswith("It is")
+        # an answer continuing the last message: that message's text says where it starts
+        cont = client.chat.completions.create(
+            model="r1", messages=[*MESSAGES, {"role": "assistant", "content": "<think>I add"}], max_tokens=40,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                        "guided_regex": r" two and two\.</think>It is 4\."}).choices[0].message
+        assert (cont.model_extra["reasoning_content"], cont.content) == (" two and two.", "It is 4.")
         # the tools parse the content, not the reasoning
-        call = r'I should call it\.</think><tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
+        call = r'<think>I should call it\.</think><tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
         r = client.chat.completions.create(model="r1", messages=MESSAGES, tools=TOOLS, max_tokens=100,
                                            extra_body={"guided_regex": call})
         m = r.choices[0].message
@@ -70,6 +118,7 @@ def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
                                                                                                  {"zone": "UTC"})]
         # the Responses API: a reasoning item, then the message; streamed the same
         kw = dict(model="r1", input="What is two and two?", max_output_tokens=100, temperature=0,
+                  include=["message.output_text.logprobs"], reasoning={"effort": "high", "summary": "auto"},
                   extra_body={"guided_regex": regex})
         whole = client.responses.create(**kw)
         with client.responses.stream(**kw) as stream:
@@ -79,6 +128,12 @@ def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
             assert [i.type for i in resp.output] == ["reasoning", "message"]
             assert resp.output[0].content[0].text.endswith("two.") and resp.output_text.startswith("It is")
         assert final.output[0].content[0].text == whole.output[0].content[0].text
+        # the text's logprobs are the message's tokens' (from its closing tag on), whole or streamed alike
+        for resp in (whole, final):
+            assert "".join(t.token for t in resp.output[1].content[0].logprobs).startswith("</think>" + resp.output_text)
+            assert resp.reasoning.effort == "high"  # (accepted with a reasoning parser: the template's to read)
+        assert [t.token for t in final.output[1].content[0].logprobs] == [
+            t.token for t in whole.output[1].content[0].logprobs]
         assert "response.reasoning_text.delta" in types and "response.reasoning_text.done" in types
         # its reasoning given back as an input item is left out of the next prompt
         again = client.responses.create(model="r1", max_output_tokens=1, store=False, input=[
