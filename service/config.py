@@ -259,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes) or "
                         "llama3_json (an answer of {\"name\", \"parameters\"} objects: Llama 3.1-3.3)")
     s.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=d.reasoning_parser,
-                   help="OpenAI answers give a reasoning model's <think> text apart from its content (chat "
-                        "completions' reasoning_content, the Responses API's reasoning item): deepseek_r1 (the answer "
+                   help="a reasoning model's <think> text apart from its content (chat completions' "
+                        "reasoning_content, the Responses API's reasoning item, the WebSocket deltas' reasoning): "
+                        "deepseek_r1 (the answer "
                         "starts in its reasoning: DeepSeek-R1, QwQ) or qwen3 (only an answer that opens <think>)")
     s.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) in place of the model's own: for a "

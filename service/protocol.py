@@ -210,10 +210,11 @@ class Start(_Out, tag="start"):
     cached_tokens: int
 
 
-class Delta(_Out, tag="delta"):
+class Delta(_Out, tag="delta", omit_defaults=True):
     id: str
     text: str
     tokens: int
+    reasoning: str = ""  # `--reasoning-parser`: the reasoning's text (sent only when there is some)
 
 
 class Usage(Struct, frozen=True):

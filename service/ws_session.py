@@ -17,6 +17,7 @@ from starlette.status import WS_1008_POLICY_VIOLATION
 from engine import InvalidSamplingParam
 from service.auth import key_matches
 from service.handle import GenerateRequest, RequestError, RequestHandle, sampling_params
+from service.openai_reasoning import ThinkStream
 from service.protocol import (
     Cancel, Chat, Delta, Done, Error, ErrorCode, FinishReason, Hello, Ping, Pong, Ready, ServerMessage, Start,
     Stats, StatsRequest, Timing, Usage,
@@ -33,13 +34,14 @@ FINISH_REASON: dict[str, FinishReason] = {"stop": "stop", "length": "length", "a
 
 
 class _Chat:
-    __slots__ = ("id", "handle", "start_sent", "carry_tokens")
+    __slots__ = ("id", "handle", "start_sent", "carry_tokens", "think")
 
-    def __init__(self, chat_id: str, handle: RequestHandle) -> None:
+    def __init__(self, chat_id: str, handle: RequestHandle, think: ThinkStream | None = None) -> None:
         self.id = chat_id
         self.handle = handle
         self.start_sent = False
         self.carry_tokens = 0  # tokens whose text the engine still withholds (split UTF-8, stop prefix)
+        self.think = think  # `--reasoning-parser`: the answer's reasoning apart from its text
 
 
 class Session:
@@ -125,7 +127,9 @@ class Session:
         except InvalidSamplingParam as e:  # (a `response_format` it cannot take)
             self.error("invalid_message", str(e), msg.id)
             return
-        self.chats[msg.id] = _Chat(msg.id, handle)
+        parser = self.svc.config.reasoning_parser  # (an answer held to a grammar from its first token: not opened)
+        think = ThinkStream(parser, opened=params.structured_output is None) if parser is not None else None
+        self.chats[msg.id] = _Chat(msg.id, handle, think)
 
     # ---- messages out ------------------------------------------------------------------------
     def send(self, msg: ServerMessage) -> None:
@@ -163,8 +167,13 @@ class Session:
             frames.append(Start(id=chat.id, prompt_tokens=h.prompt_tokens or 0, cached_tokens=h.cached_tokens))
         text, tokens, _ = h.take()
         chat.carry_tokens += tokens
-        if text:
-            frames.append(Delta(id=chat.id, text=text, tokens=chat.carry_tokens))
+        reasoning = ""
+        if chat.think is not None:
+            parts = chat.think.feed(text) + (chat.think.end() if h.finished else [])
+            text = "".join(t for kind, t, _ in parts if kind == "content")
+            reasoning = "".join(t for kind, t, _ in parts if kind == "reasoning")
+        if text or reasoning:
+            frames.append(Delta(id=chat.id, text=text, tokens=chat.carry_tokens, reasoning=reasoning))
             chat.carry_tokens = 0
         if h.finished:
             del self.chats[chat.id]

@@ -154,6 +154,7 @@ export class ChatBook extends EventTarget {
       case 'delta':
         msg.status = 'streaming';
         msg.content += frame.text;
+        if (frame.reasoning) msg.reasoning = (msg.reasoning ?? '') + frame.reasoning;
         msg.tokens += frame.tokens ?? 0;
         break;
       case 'done':

@@ -25,6 +25,7 @@ function sanitize(chat) {
   chat.settings = {...DEFAULT_SETTINGS, ...(chat.settings ?? {})};
   for (const msg of chat.messages) {
     msg.content = String(msg.content ?? '');
+    if (msg.reasoning != null) msg.reasoning = String(msg.reasoning);
     if (msg.status === 'streaming' || msg.status === 'pending') msg.status = 'cut';
   }
   return chat;

@@ -149,6 +149,8 @@ export class View {
       mine ? null : h('div', {class: 'avatar', 'aria-hidden': 'true'}, 'S'),
       h('div', {class: 'bubble'},
         h('h3', {class: 'sr-only'}, mine ? 'You said' : 'Sluice answered'),
+        // a reasoning model's thinking (--reasoning-parser), folded; made once so a reader's open/closed choice stays
+        mine ? null : h('details', {class: 'thinking', hidden: true}, h('summary', {}), h('div', {class: 'thinking-body'})),
         h('div', {class: 'body'}),
         h('div', {class: 'under'},
           mine ? null : h('footer', {class: 'meta'}),
@@ -164,6 +166,12 @@ export class View {
     const streaming = msg.status === 'streaming' || msg.status === 'pending';
     node.dataset.status = msg.status ?? '';
     node.setAttribute('aria-busy', streaming ? 'true' : 'false');
+    const thinking = node.querySelector('.thinking');
+    if (thinking && msg.reasoning) {
+      thinking.hidden = false;
+      thinking.querySelector('summary').textContent = streaming && !msg.content ? 'Thinking…' : 'Thought';
+      thinking.querySelector('.thinking-body').replaceChildren(renderText(msg.reasoning));
+    }
     node.querySelector('.body').replaceChildren(renderText(msg.content));
     node.querySelector('.meta')?.replaceChildren(...footer(msg));
     const regen = node.querySelector('[data-action="regenerate"]');

@@ -1,8 +1,10 @@
 """`--reasoning-parser` (service/openai_reasoning.py): a reasoning model's `<think>` text apart from its content, cut
 anywhere when streamed; through a real server (the tiny model, a regex writing a reasoning answer for it), chat
-completions' `reasoning_content` and the Responses API's reasoning item, whole and streamed alike, with tools."""
+completions' `reasoning_content` and the Responses API's reasoning item, whole and streamed alike, with tools; the
+WebSocket chat's `reasoning` deltas."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -11,7 +13,7 @@ import pytest
 from service.app import build_app
 from service.config import ServerConfig
 from service.openai_reasoning import ThinkStream, split
-from tests.service.conftest import in_process
+from tests.service.conftest import check_chat_frames, collect, in_process, open_ws, send
 from tests.service.test_openai_tools import MESSAGES, TOOLS
 
 
@@ -143,3 +145,26 @@ def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
             {"role": "user", "content": "What is two and two?"}, {"role": "assistant", "content": whole.output_text},
             {"role": "user", "content": "Sure?"}])
         assert again.usage.input_tokens == plain.usage.input_tokens
+        # the WebSocket chat: the reasoning's text as its deltas' `reasoning`, split as the OpenAI routes split it
+        user = [{"role": "user", "content": "What is two and two?"}]
+        r = client.chat.completions.create(model="r1", messages=user, max_tokens=12, temperature=0)
+        frames = asyncio.run(_ws_chat(s, messages=user, max_tokens=12, temperature=0.0))
+        reasoning = "".join(f.get("reasoning", "") for f in frames if f["type"] == "delta")
+        text = "".join(f["text"] for f in frames if f["type"] == "delta")
+        assert reasoning and (reasoning, text) == (r.choices[0].message.model_extra["reasoning_content"],
+                                                   r.choices[0].message.content)
+        # held to JSON from its first token: all text (no template opened <think> for it)
+        frames = asyncio.run(_ws_chat(s, messages=user, max_tokens=12, temperature=0.0,
+                                      response_format={"type": "json_object"}))
+        assert all("reasoning" not in f for f in frames) and any(f["type"] == "delta" for f in frames)
+
+
+async def _ws_chat(server, **chat) -> list[dict]:
+    ws = await open_ws(server)
+    try:
+        await send(ws, type="chat", id="c", **chat)
+        frames = (await collect(ws, {"c"}))["c"]
+    finally:
+        await ws.close()
+    check_chat_frames(frames)
+    return frames

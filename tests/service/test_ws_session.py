@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from service.handle import RequestHandle
+from service.openai_reasoning import ThinkStream
 from service.protocol import Cancel, Chat, Delta, Done, Error, Hello, Ping, Pong, Start, StatsRequest, decode_client
 from service.ws_session import CONTROL_HIGH_WATER, Session, _Chat
 from tests.service.conftest import idle_service
@@ -13,10 +14,10 @@ def _session(**config: object) -> tuple[Session, list[int]]:
     return Session(idle_service(**config), lambda: wakes.append(1)), wakes
 
 
-def _chat(session: Session, chat_id: str) -> RequestHandle:
+def _chat(session: Session, chat_id: str, think: ThinkStream | None = None) -> RequestHandle:
     """A chat in flight, as `receive(Chat)` leaves one once the bridge took it."""
     handle = RequestHandle(f"r-{chat_id}", "ws", lambda: session._mark(chat_id))
-    session.chats[chat_id] = _Chat(chat_id, handle)
+    session.chats[chat_id] = _Chat(chat_id, handle, think)
     return handle
 
 
@@ -53,6 +54,41 @@ def test_withheld_text_carries_its_tokens_to_the_next_delta() -> None:
     h.notify()
     (delta,) = session.next_frames()
     assert isinstance(delta, Delta) and (delta.text, delta.tokens) == ("é", 2)
+
+
+def test_reasoning_comes_apart_and_a_held_tag_is_flushed_at_the_end() -> None:
+    """`--reasoning-parser`: the text a tag's start holds back goes out with the next delta (its tokens with it), and
+    what is held when the chat ends goes out before `done`."""
+    session, _ = _session()
+    h = _chat(session, "c", ThinkStream("deepseek_r1"))
+    h.start(1, 0, h.arrival)
+    for piece in ["Let me", " see.</th", "ink>It is 4"]:
+        h.push(piece, 1, None)
+        h.notify()
+        frames = session.next_frames()
+        frames = frames[1:] if _tags(frames)[0] == "start" else frames
+        assert [(f.reasoning, f.text, f.tokens) for f in frames] == {
+            "Let me": [("Let me", "", 1)], " see.</th": [(" see.", "", 1)], "ink>It is 4": [("", "It is 4", 1)]}[piece]
+    h.finish("stop", None)
+    h.notify()
+    assert _tags(session.next_frames()) == ["done"]
+    h = _chat(session, "d", ThinkStream("deepseek_r1"))
+    h.start(1, 0, h.arrival)
+    h.push("Hm.</th", 1, None)
+    h.finish("length", None)
+    h.notify()
+    _, delta, done = session.next_frames()
+    assert (delta.reasoning, delta.text, delta.tokens) == ("Hm.</th", "", 1) and done.finish_reason == "length"
+    h = _chat(session, "e", ThinkStream("deepseek_r1"))
+    h.start(1, 0, h.arrival)
+    h.push("Hm.</th", 1, None)
+    h.notify()
+    _, delta = session.next_frames()
+    assert (delta.reasoning, delta.text, delta.tokens) == ("Hm.", "", 1)
+    h.finish("length", None)
+    h.notify()
+    delta, _ = session.next_frames()  # (the tag's start held back: an unfinished tag stays reasoning)
+    assert (delta.reasoning, delta.text, delta.tokens) == ("</th", "", 0)
 
 
 def test_an_aborted_chat_is_done_cancelled() -> None:
