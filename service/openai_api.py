@@ -132,6 +132,9 @@ def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
         raise HTTPError(400, "messages must hold at least one message", param="messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise HTTPError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    if body.reasoning_effort not in (None, "none") and svc.config.reasoning_parser is None:  # (as OpenAI's models)
+        raise HTTPError(400, "`reasoning_effort` is not supported by this server (its model does not reason: no "
+                             "--reasoning-parser); leave it out", param="reasoning_effort", code="unsupported_parameter")
     kwargs = body.sampling_kwargs()
     tools = openai_tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls,
                               svc.config.tool_call_parser if svc.config.enable_auto_tool_choice else None)
@@ -161,7 +164,8 @@ def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
     render = ChatRender(svc.model_name, bool(body.logprobs), echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
                         tools=tools if tools.mode != "none" else None, prompt_logprobs=body.prompt_logprobs,
-                        reasoning=svc.config.reasoning_parser, held=kwargs.get("structured_output") is not None,
+                        reasoning=svc.config.reasoning_parser,
+                        held=kwargs.get("structured_output") is not None or not add_generation_prompt,
                         continued=messages[-1]["content"] or "" if continue_final else None)
     return req, render
 

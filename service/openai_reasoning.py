@@ -47,11 +47,19 @@ class ThinkStream:
         self.head = ""  # then the opening's first characters, as many as could begin <think>
         self.buf = ""  # text not yet given out: the start of a closing tag, once the opening is known
         self.fed = 0  # characters fed
-        if prefix:
+        if prefix:  # (its characters then sit before 0: what of them is still held back is not given out again)
             self.feed(prefix)
             self.fed = 0
 
     def feed(self, text: str) -> list[Part]:
+        return _answers(self._feed(text))
+
+    def end(self) -> list[Part]:
+        """What was held back when the answer ended: an opening that never became a tag is the answer's (where it
+        starts), as is an unfinished closing tag."""
+        return _answers(self._end())
+
+    def _feed(self, text: str) -> list[Part]:
         self.fed += len(text)
         out: list[Part] = []
         if self.state == "start":
@@ -85,15 +93,19 @@ class ThinkStream:
             self.buf = ""
         return out
 
-    def end(self) -> list[Part]:
-        """What was held back when the answer ended: an opening that never became a tag is the answer's (where it
-        starts), as is an unfinished closing tag."""
+    def _end(self) -> list[Part]:
         if self.state == "start":
             rest, kind = "".join(self.lead) + self.head, self.first
         else:
             rest, kind = self.buf, self.state
         self.lead, self.head, self.buf = [], "", ""
         return [(kind, rest, self.fed)] if rest else []
+
+
+def _answers(parts: list[Part]) -> list[Part]:
+    """The parts less the characters of the continued message (before 0): each part's text is the answer's (less its
+    tags) just before its end."""
+    return [(kind, text[max(0, len(text) - end):], end) for kind, text, end in parts if end > 0]
 
 
 def split(parser: str, text: str, **kwargs: Any) -> tuple[str | None, str]:

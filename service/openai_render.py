@@ -133,12 +133,17 @@ class ChatRender(_Base):
         """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's); `tools`: what
         the request's tools ask of the answer (service/openai_tools.py: its calls parsed out of the text);
         `reasoning`: the server's `--reasoning-parser` (service/openai_reasoning.py: the answer's reasoning apart, as
-        `reasoning_content`; the tools parse its content), `held` if a grammar holds the answer from its first token,
-        `continued` the text of the message the answer continues (`continue_final_message`)."""
+        `reasoning_content`; the tools parse its content; an echo's reasoning leads the answer's), `held` if the
+        template did not open the answer (a grammar holds it from its first token, no generation prompt), `continued`
+        the text of the message the answer continues (`continue_final_message`)."""
         super().__init__(model, logprobs, index, first, token_ids=token_ids, prompt_logprobs=prompt_logprobs)
         self.echo = first.echo if first is not None else echo
         self.tools = first.tools if first is not None else tools
         self.reasoning = first.reasoning if first is not None else reasoning
+        self.echo_reasoning = first.echo_reasoning if first is not None else ""  # the echo's reasoning, if any
+        if first is None and reasoning is not None and echo:  # (the echo is the continued message: read as such)
+            echo_reasoning, self.echo = openai_reasoning.split(reasoning, echo, opened=False)
+            self.echo_reasoning = echo_reasoning or ""
         self.think_kwargs: dict[str, Any] = first.think_kwargs if first is not None else {
             "opened": not held and continued is None, "prefix": continued or ""}
         self.stream = ToolStream(self.tools) if self.tools is not None else None
@@ -148,7 +153,7 @@ class ChatRender(_Base):
         # with the part that text is in (the reasoning's, or the content's)
         self.placed: deque[tuple[int, TokenLogprobs]] = deque()
         self.chars = 0
-        self.given: tuple[openai_reasoning.Kind, int] = ("content", 0)  # the last part given out: its kind, its end
+        self.given: tuple[openai_reasoning.Kind, int] | None = None  # the last part given out: its kind, its end
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
@@ -168,7 +173,8 @@ class ChatRender(_Base):
         text, _, lps = h.take()
         message: dict[str, Any] = {"role": "assistant", "content": None}
         if self.reasoning is not None:
-            message["reasoning_content"], text = openai_reasoning.split(self.reasoning, text, **self.think_kwargs)
+            reasoning, text = openai_reasoning.split(self.reasoning, text, **self.think_kwargs)
+            message["reasoning_content"] = self.echo_reasoning + (reasoning or "") or None
         message["content"] = self.echo + text
         reason = _finish_reason(h)
         if self.tools is not None:
@@ -183,6 +189,9 @@ class ChatRender(_Base):
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         chunks = [self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}], include_usage)]
+        if self.echo_reasoning:
+            chunks.append(self._chunk([{"index": self.index, "delta": {"reasoning_content": self.echo_reasoning},
+                                        "logprobs": None, "finish_reason": None}], include_usage))
         if self.echo:
             chunks.append(self._chunk([{"index": self.index, "delta": {"content": self.echo}, "logprobs": None,
                                         "finish_reason": None}], include_usage))
@@ -194,7 +203,8 @@ class ChatRender(_Base):
                 self.chars += len(self.utf8.decode(lp[2]))
                 self.placed.append((self.chars, lp))
             parts = self.think.feed(text)
-            if not parts and self.placed and self.placed[0][0] <= self.given[1]:  # (a token of no text: the end's)
+            if not parts and self.given is not None and self.placed and self.placed[0][0] <= self.given[1]:
+                # (a token of no text after a part, as the end token: with an empty delta of that part's kind)
                 parts = [(self.given[0], "", self.given[1])]
             return self._parts(parts, include_usage)
         if self.stream is None:

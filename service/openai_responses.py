@@ -48,24 +48,27 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {  # (as openai_schema._UNSUP
 }
 
 
-_NO_REASONING = ({}, {"effort": None}, {"effort": "none"}, {"effort": None, "summary": None},
-                 {"effort": "none", "summary": None})
-
-
 def _reasoning_effort(body: ResponsesRequest, reasons: bool) -> str | None:
-    """`reasoning.effort`, for the chat template's `reasoning_effort`: with `--reasoning-parser` (the model reasons);
-    without, only neutral values. `summary` is accepted and has no effect (the reasoning is given whole)."""
+    """`reasoning.effort`, for the chat template's `reasoning_effort` (as chat's `reasoning_effort`): refused without
+    `--reasoning-parser` (the model does not reason) unless none. `summary` is accepted and has no effect (the
+    reasoning is given whole)."""
     r = body.reasoning
-    if r is None or (not reasons and r in _NO_REASONING):
+    if r is None:
         return None
-    if not reasons:
-        raise HTTPError(400, "`reasoning` is not supported by this server (its model does not reason: no "
-                             "--reasoning-parser); leave it out", param="reasoning", code="unsupported_parameter")
     if not isinstance(r, dict) or not set(r) <= {"effort", "summary", "generate_summary"}:
         raise HTTPError(400, "reasoning must be an object with `effort` and `summary`", param="reasoning")
+    for key in ("summary", "generate_summary"):
+        if not isinstance(r.get(key), (str, type(None))):
+            raise HTTPError(400, f"reasoning.{key} must be a string (auto, concise, detailed)", param=f"reasoning.{key}")
     effort = r.get("effort")
-    if effort is not None and not (isinstance(effort, str) and len(effort) <= 32):
+    if effort is not None and not (isinstance(effort, str) and 0 < len(effort) <= 32):
         raise HTTPError(400, "reasoning.effort must be a string (low, medium, high, ...)", param="reasoning.effort")
+    if effort in (None, "none"):
+        return None if not reasons else effort
+    if not reasons:
+        raise HTTPError(400, "`reasoning.effort` is not supported by this server (its model does not reason: no "
+                             "--reasoning-parser); leave it out", param="reasoning.effort",
+                        code="unsupported_parameter")
     return effort
 
 

@@ -22,7 +22,8 @@ MESSAGES = [{"role": "user", "content": "Hello there"}]
 def test_the_servers_chat_template_replaces_the_models(tmp_path: Path, tiny_model_dir: Path) -> None:
     (tmp_path / "t.jinja").write_text(TEMPLATE)
     config = ServerConfig(model=str(tiny_model_dir), served_model_name="m", num_kv_blocks=128, max_model_len=512,
-                          engine_process=False, chat_template=str(tmp_path / "t.jinja"))
+                          engine_process=False, chat_template=str(tmp_path / "t.jinja"),
+                          reasoning_parser="qwen3")  # (which reasoning_effort needs)
     with in_process(build_app(config), "template-server") as s, httpx.Client(base_url=s.url, timeout=60) as http:
         ids = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
         assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "[user] Hello there\n>"

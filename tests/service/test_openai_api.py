@@ -103,12 +103,13 @@ def test_null_means_the_default_and_vllm_extensions(main_server: Server, client:
                                                  "stream": None, "echo": None, "logprobs": None})):
             r = http.post(route, json=body)
             assert r.status_code == 200, r.text
-        for name, value in (("use_beam_search", True), ("chat_template", "{{ x }}")):
+        for name, value in (("use_beam_search", True), ("chat_template", "{{ x }}"), ("reasoning_effort", "high")):
             r = http.post("/v1/chat/completions", json={**chat, name: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
             assert r.json()["error"]["code"] == "unsupported_parameter"
         r = http.post("/v1/chat/completions", json={**chat, "min_tokens": 0, "use_beam_search": False,
-                                                    "skip_special_tokens": True, "bad_words": []})
+                                                    "skip_special_tokens": True, "bad_words": [],
+                                                    "reasoning_effort": "none"})
         assert r.status_code == 200, r.text
         r = http.post("/v1/chat/completions", json={**chat, "stream_options": {"include_usage": True}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"

@@ -12,7 +12,9 @@ import pytest
 
 from service.app import build_app
 from service.config import ServerConfig
+from service.handle import RequestHandle
 from service.openai_reasoning import ThinkStream, split
+from service.openai_render import ChatRender
 from tests.service.conftest import check_chat_frames, collect, in_process, open_ws, send
 from tests.service.test_openai_tools import MESSAGES, TOOLS
 
@@ -62,10 +64,48 @@ def test_where_each_part_ends() -> None:
     ({"prefix": "<think>Let me see.</th"}, "ink>It is 4.", None, "It is 4."),
     ({"prefix": "<think>Hm.</think>It"}, " is 4.", None, " is 4."),
     ({"prefix": "It"}, " is 4.", None, " is 4."),
+    # what the continued message's end held back (a tag's start, whitespace) is not the answer's
+    ({"prefix": "<think>compare a <"}, "b</think>ok", "b", "ok"),
+    ({"prefix": " "}, "Hello", None, "Hello"),
+    ({"prefix": "<"}, "b>bold</b>", None, "b>bold</b>"),
+    ({"prefix": "\n"}, "", None, ""),
 ])
 def test_answers_the_template_did_not_open(kwargs: dict, text: str, reasoning: str | None, content: str) -> None:
     opened = kwargs.pop("opened", "prefix" not in kwargs)
     assert split("deepseek_r1", text, opened=opened, **kwargs) == (reasoning, content)
+
+
+def _lp(i: int, raw: bytes) -> tuple:
+    return (i, raw.decode(errors="replace"), raw, -1.0, [])
+
+
+def test_each_tokens_logprobs_go_with_its_part() -> None:
+    """Streamed, a token's logprobs ride with the part its text ends in: one of no text (half a character, a special
+    token) waits for the next part, never an empty content delta before the reasoning; the end token's follow the
+    last part; whole, the same tokens are counted."""
+    render = ChatRender("m", True, reasoning="deepseek_r1")
+    steps = [("", [_lp(0, b"\xe2")]), ("\u20ac thinking</think>", [_lp(1, b"\x82\xac thinking</think>")]),
+             ("Answer", [_lp(2, b"Answer")]), ("", [_lp(3, b"")])]
+    chunks = [c for text, lps in steps for c in render.stream_delta(text, lps, False)]
+    got = [(next(iter(c["choices"][0]["delta"].items())), [t["token"] for t in c["choices"][0]["logprobs"]["content"]])
+           for c in chunks]
+    assert got == [(("reasoning_content", "\u20ac thinking"), ["\ufffd"]),  # (the token ending in the tag: the next)
+                   (("content", "Answer"), ["\ufffd\ufffd thinking</think>", "Answer"]), (("content", ""), [""])]
+
+
+def test_an_echo_is_split_as_the_answer_it_leads() -> None:
+    """`echo` with `continue_final_message`: the echoed message's reasoning leads the answer's, its text the content."""
+    render = ChatRender("m", False, echo="<think>Let me", reasoning="deepseek_r1", continued="<think>Let me")
+    h = RequestHandle("r", "chat", lambda: None)
+    h.push(" see</think>42", 3, None)
+    h.finish("stop", None)
+    message = render.choice(h)["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Let me see", "42")
+    render = ChatRender("m", False, echo="<think>Let me", reasoning="deepseek_r1", continued="<think>Let me")
+    chunks = render.stream_start(h, False) + render.stream_delta(" see</think>42", [], False)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let me see"
+    assert "".join(d.get("content") or "" for d in deltas) == "42"
 
 
 def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:

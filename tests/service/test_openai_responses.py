@@ -48,7 +48,8 @@ def _streamed(client: openai.OpenAI, **kw):
 
 def test_a_response_is_the_chat_turn_its_input_makes(client: openai.OpenAI) -> None:
     r = client.responses.create(model=MODEL, instructions="Be brief.", input="Tell me about rivers.",
-                                max_output_tokens=12, temperature=0)
+                                max_output_tokens=12, temperature=0,
+                                reasoning={"effort": None, "summary": "auto"})  # (no effort: neutral, accepted)
     chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about rivers."}])
     assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
@@ -154,7 +155,9 @@ def test_text_format_and_logprobs(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize("extra, param", [
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # (no --reasoning-parser: the model does not reason)
+    ({"reasoning": {"effort": "none", "summary": 5}}, "reasoning.summary"),
+    ({"reasoning": "high"}, "reasoning"),
     ({"n": 2}, "n"),
     ({"max_tokens": 5}, "max_tokens"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),  # (more than the context leaves: named as the API names it)
