@@ -60,11 +60,14 @@ class StructuredOutput:
     (`spec` a context-free grammar: EBNF as xgrammar and llama.cpp's GBNF write it, `root ::= ...`, or Lark's, `start:
     ...`), `structural_tag` (`spec` xgrammar's structural tag as JSON text, `{"type": "structural_tag", "format":
     {...}}`: tagged parts held to formats, e.g. JSON of a schema between `<function=f>` and `</function>`). `param`
-    names the request field it came from, for errors (`response_format`, vLLM's `guided_json`, ...)."""
+    names the request field it came from, for errors (`response_format`, vLLM's `guided_json`, ...). `after`: the
+    text the grammar starts after, any text up to it free (a reasoning model's `</think>`: its reasoning free, its
+    answer held, as vLLM holds a reasoning model's)."""
 
     kind: Kind
     spec: str = ""
     param: str = "response_format"
+    after: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -146,7 +149,7 @@ class Grammars:
         for i in self.banned:  # (int32 words: the top bit is the sign's)
             self._keep[i // 32] &= 0x7FFFFFFF if i % 32 == 31 else ~(1 << (i % 32))
         self._bitmask: torch.Tensor | None = None
-        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # by (kind, spec), compiling or done
+        self._compiled: OrderedDict[tuple[str, str, str], Future] = OrderedDict()  # by (kind, spec, after)
         # NOTE: compiles at the usual priority: a request waits COMPILE_TIMEOUT_S of wall time for its own (at the
         # lowest, beside a forward that keeps the cores busy, a 0.5 s compile took over 30 s and was refused)
         self._compiles = _Worker.named("sluice-grammar")
@@ -161,7 +164,7 @@ class Grammars:
         """The compiled grammar of `so` (`Compiled`), to come (on the compile thread) or kept from an earlier request;
         the future raises ValueError if its schema, expression or choices cannot be compiled, or if the grammar
         allows no token at its start (it matches nothing: the sampler would have nothing to draw)."""
-        key = (so.kind, so.spec)
+        key = (so.kind, so.spec, so.after)
         if (done := self._compiled.get(key)) is not None and not (done.done() and done.exception() is not None):
             self._compiled.move_to_end(key)
             return done
@@ -199,6 +202,30 @@ class Grammars:
             req.mask = self._masks.submit(fill)
 
     def _compile(self, so: StructuredOutput) -> Any:
+        if not so.after:
+            return self._compile_alone(so)
+        try:  # any text up to `after` (xgrammar's structural tag of any text, which ends at its end tag), then it
+            free = self.xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {
+                "type": "tag", "begin": "", "content": {"type": "any_text"}, "end": so.after}}))
+            return self.compiler.compile_grammar(self.xgr.Grammar.concat(free, self._grammar(so)))
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            raise ValueError(f"cannot compile it: {reason}") from None
+
+    def _grammar(self, so: StructuredOutput) -> Any:
+        """`so`'s grammar, not compiled (as `_compile_alone` compiles it)."""
+        g = self.xgr.Grammar
+        if so.kind in ("json", "json_object"):
+            return g.from_json_schema(so.spec if so.kind == "json" else '{"type": "object"}', any_whitespace=False)
+        if so.kind == "regex":
+            return g.from_regex(so.spec)
+        if so.kind == "grammar":
+            return g.from_ebnf(so.spec) if "::=" in so.spec else g.from_lark(so.spec)
+        if so.kind == "structural_tag":
+            return g.from_structural_tag(so.spec)
+        return g.from_ebnf(_choice_ebnf(so.spec))
+
+    def _compile_alone(self, so: StructuredOutput) -> Any:
         try:
             # NOTE: JSON without whitespace between its tokens, as OpenAI's structured outputs write it: a model can
             # loop on whitespace forever where a grammar allows any (vLLM's `disable_any_whitespace`)
@@ -213,9 +240,7 @@ class Grammars:
                         self.compiler.compile_lark(so.spec))
             if so.kind == "structural_tag":
                 return self.compiler.compile_structural_tag(so.spec)
-            options = json.loads(so.spec)
-            return self.compiler.compile_grammar(
-                "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+            return self.compiler.compile_grammar(_choice_ebnf(so.spec))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with the reason
             reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise ValueError(f"cannot compile it: {reason}") from None
@@ -235,6 +260,10 @@ class Grammars:
         bitmask &= self._keep  # (the special tokens: out of every row)
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                              vocab_size=self.vocab_size, indices=rows)
+
+
+def _choice_ebnf(spec: str) -> str:
+    return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in json.loads(spec))
 
 
 def _fill(matcher: Any, bitmask: torch.Tensor, row: int = 0) -> float:

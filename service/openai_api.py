@@ -25,7 +25,7 @@ from service.openai_schema import (
     ChatCompletionRequest, CommonRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest,
     chat_messages, completion_prompts, decode_body, refuse_unsupported, template_kwargs,
 )
-from service import openai_tools
+from service import openai_reasoning, openai_tools
 from service.openai_render import ChatRender, CompletionRender, Render
 
 if TYPE_CHECKING:
@@ -147,14 +147,17 @@ def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
     if body.prompt_logprobs is not None and (body.n or 1) > 1:
         raise HTTPError(400, "n must be 1 with prompt_logprobs: each choice would compute its prompt again",
                         param="n")
-    params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
-                             logprobs=(body.top_logprobs or 0) if body.logprobs else None, **kwargs)
     continue_final = bool(body.continue_final_message)
     add_generation_prompt = body.add_generation_prompt if body.add_generation_prompt is not None else (
         not continue_final)  # (vLLM's default is true, which continue_final_message must turn off)
     if add_generation_prompt and continue_final:
         raise HTTPError(400, "continue_final_message and add_generation_prompt cannot both be true: the last "
                              "message is either continued or followed by a new turn", param="continue_final_message")
+    if (so := kwargs.get("structured_output")) is not None and add_generation_prompt:
+        kwargs["structured_output"] = openai_reasoning.after_reasoning(svc.config.reasoning_parser, so)
+    params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
+                             logprobs=(body.top_logprobs or 0) if body.logprobs else None, **kwargs)
+    held = params.structured_output is not None and not params.structured_output.after
     messages = chat_messages(body)
     req = GenerateRequest(prompt=messages, chat=True, params=params, api=api, client=client,
                           fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
@@ -165,7 +168,7 @@ def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
     render = ChatRender(svc.model_name, bool(body.logprobs), echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
                         tools=tools if tools.mode != "none" else None, prompt_logprobs=body.prompt_logprobs,
                         reasoning=svc.config.reasoning_parser,
-                        held=kwargs.get("structured_output") is not None or not add_generation_prompt,
+                        held=held or not add_generation_prompt,
                         continued=messages[-1]["content"] or "" if continue_final else None)
     return req, render
 

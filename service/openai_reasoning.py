@@ -9,14 +9,18 @@ tags as text). Two conventions, by the server's `--reasoning-parser`:
 - `qwen3` (Qwen3's hybrid models, whose reasoning `enable_thinking: false` turns off): the answer is reasoning only if
   it starts with `<think>`, else all content.
 
-An answer the template did not open (held to a grammar from its first token, or continuing the last message, whose
-text is read first) follows qwen3's rule under either parser.
+An answer the template did not open (held to a grammar from its first token, no generation prompt, or continuing the
+last message, whose text is read first) follows qwen3's rule under either parser. Under deepseek_r1 a grammar holds
+only the answer after `</think>` (`after_reasoning`): the reasoning the template opened is free, as vLLM's.
 
 `ThinkStream` splits text as it streams, in any pieces: what a whole answer gives is what its pieces give.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
+
+from engine import StructuredOutput
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
@@ -114,3 +118,10 @@ def split(parser: str, text: str, **kwargs: Any) -> tuple[str | None, str]:
     parts = stream.feed(text) + stream.end()
     reasoning = "".join(t for kind, t, _ in parts if kind == "reasoning")
     return reasoning or None, "".join(t for kind, t, _ in parts if kind == "content")
+
+
+def after_reasoning(parser: str | None, so: StructuredOutput) -> StructuredOutput:
+    """The structured output of an answer after a generation prompt: under deepseek_r1 (whose template opened
+    `<think>`: the model reasons first) it holds only the text after `</think>`; under qwen3, whose model may not
+    reason, and without a parser, all of it."""
+    return replace(so, after=END) if parser == "deepseek_r1" else so

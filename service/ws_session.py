@@ -17,7 +17,7 @@ from starlette.status import WS_1008_POLICY_VIOLATION
 from engine import InvalidSamplingParam
 from service.auth import key_matches
 from service.handle import GenerateRequest, RequestError, RequestHandle, sampling_params
-from service.openai_reasoning import ThinkStream
+from service.openai_reasoning import ThinkStream, after_reasoning
 from service.protocol import (
     Cancel, Chat, Delta, Done, Error, ErrorCode, FinishReason, Hello, Ping, Pong, Ready, ServerMessage, Start,
     Stats, StatsRequest, Timing, Usage,
@@ -117,7 +117,10 @@ class Session:
             self.error("overloaded", "the server is shutting down; reconnect later", msg.id)
             return
         try:
-            params = sampling_params(max_tokens=msg.max_tokens, **msg.sampling_kwargs())
+            kwargs = msg.sampling_kwargs()
+            if (so := kwargs.get("structured_output")) is not None:  # (a reasoning model's reasoning: free)
+                kwargs["structured_output"] = after_reasoning(self.svc.config.reasoning_parser, so)
+            params = sampling_params(max_tokens=msg.max_tokens, **kwargs)
             request = GenerateRequest(prompt=msg.messages, chat=True, params=params, api="ws", client=self)
             # NOTE: the bridge never notifies inside `submit`, so the chat is registered below before its first mark
             handle = self.svc.bridge.submit(request, lambda: self._mark(msg.id))
@@ -127,8 +130,9 @@ class Session:
         except InvalidSamplingParam as e:  # (a `response_format` it cannot take)
             self.error("invalid_message", str(e), msg.id)
             return
-        parser = self.svc.config.reasoning_parser  # (an answer held to a grammar from its first token: not opened)
-        think = ThinkStream(parser, opened=params.structured_output is None) if parser is not None else None
+        parser, so = self.svc.config.reasoning_parser, params.structured_output
+        # (an answer held to a grammar from its first token: not opened)
+        think = ThinkStream(parser, opened=so is None or bool(so.after)) if parser is not None else None
         self.chats[msg.id] = _Chat(msg.id, handle, think)
 
     # ---- messages out ------------------------------------------------------------------------

@@ -332,3 +332,29 @@ def test_grammars_and_structural_tags(tiny_model_dir, so, pattern):
         eng.add_request("bad", [5, 6], SamplingParams(structured_output=StructuredOutput("grammar", "root ::= ((",
                                                                                          "guided_grammar")))
     assert e.value.param == "guided_grammar"
+
+
+@pytest.mark.parametrize("so, pattern", [
+    (StructuredOutput("regex", REGEX, after="X"), REGEX),
+    (StructuredOutput("json", json.dumps(SCHEMA), after="X"), None),
+    (StructuredOutput("choice", json.dumps(CHOICES), after="X"), "|".join(map(re.escape, CHOICES))),
+])
+def test_a_grammar_after_free_text(tiny_model_dir, so, pattern):
+    """`after` (a reasoning model's `</think>`): the text up to it is free, the grammar holds what follows. Made to
+    happen by construction: `after` is the start of the free greedy answer, which the held request, greedy too,
+    writes again (nothing is masked before it), then it follows the grammar."""
+    eng = _engine(tiny_model_dir)
+    (free,) = eng.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    after = max((eng.tokenizer.decode(free.token_ids[:k]) for k in range(1, 5)), key=lambda t: (
+        t.isascii() and t.isprintable(), len(t)))  # (whole characters: the grammar reads bytes)
+    assert after.isascii() and after.strip(), after
+    so = StructuredOutput(so.kind, so.spec, after=after)
+    params = SamplingParams(max_tokens=400, temperature=0.0, structured_output=so, logit_bias=_closing(
+        tiny_model_dir) if so.kind == "json" else None)
+    (out,) = eng.generate([PROMPTS[1]], params)
+    assert out.text.startswith(after) and out.finish_reason == "stop", out.text
+    rest = out.text[len(after):]
+    if pattern is None:
+        jsonschema.validate(json.loads(rest), SCHEMA)
+    else:
+        assert re.fullmatch(pattern, rest), out.text

@@ -109,8 +109,9 @@ def test_an_echo_is_split_as_the_answer_it_leads() -> None:
 
 
 def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
+    """Under qwen3 (a grammar holds the whole answer: a regex writes the reasoning answer)."""
     config = ServerConfig(model=str(tools_model_dir), served_model_name="r1", num_kv_blocks=256, max_model_len=1024,
-                          engine_process=False, reasoning_parser="deepseek_r1", enable_auto_tool_choice=True,
+                          engine_process=False, reasoning_parser="qwen3", enable_auto_tool_choice=True,
                           tool_call_parser="hermes")
     regex = r"<think>I add (two|three) and two\.</think>It is (4|5)\."
     with in_process(build_app(config), "reasoning-server") as s:
@@ -144,12 +145,6 @@ def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
         held = client.chat.completions.create(model="r1", messages=MESSAGES, max_tokens=20,
                                               extra_body={"guided_regex": r"It is (4|5)\."}).choices[0].message
         assert held.model_extra["reasoning_content"] is None and held.content.startswith("It is")
-        # an answer continuing the last message: that message's text says where it starts
-        cont = client.chat.completions.create(
-            model="r1", messages=[*MESSAGES, {"role": "assistant", "content": "<think>I add"}], max_tokens=40,
-            extra_body={"continue_final_message": True, "add_generation_prompt": False,
-                        "guided_regex": r" two and two\.</think>It is 4\."}).choices[0].message
-        assert (cont.model_extra["reasoning_content"], cont.content) == (" two and two.", "It is 4.")
         # the tools parse the content, not the reasoning
         call = r'<think>I should call it\.</think><tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
         r = client.chat.completions.create(model="r1", messages=MESSAGES, tools=TOOLS, max_tokens=100,
@@ -185,6 +180,15 @@ def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
             {"role": "user", "content": "What is two and two?"}, {"role": "assistant", "content": whole.output_text},
             {"role": "user", "content": "Sure?"}])
         assert again.usage.input_tokens == plain.usage.input_tokens
+
+
+def test_deepseek_r1_reasons_freely_before_a_grammar(tools_model_dir) -> None:
+    """Under deepseek_r1 the template opened <think>: the reasoning is free, a grammar holds only the answer after
+    </think> (engine/structured.py `after`; the tiny model never writes it, so its whole answer is reasoning)."""
+    config = ServerConfig(model=str(tools_model_dir), served_model_name="r1", num_kv_blocks=256, max_model_len=1024,
+                          engine_process=False, reasoning_parser="deepseek_r1")
+    with in_process(build_app(config), "r1-server") as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
         # the WebSocket chat: the reasoning's text as its deltas' `reasoning`, split as the OpenAI routes split it
         user = [{"role": "user", "content": "What is two and two?"}]
         r = client.chat.completions.create(model="r1", messages=user, max_tokens=12, temperature=0)
@@ -193,10 +197,19 @@ def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
         text = "".join(f["text"] for f in frames if f["type"] == "delta")
         assert reasoning and (reasoning, text) == (r.choices[0].message.model_extra["reasoning_content"],
                                                    r.choices[0].message.content)
-        # held to JSON from its first token: all text (no template opened <think> for it)
+        # held to JSON after its reasoning: the reasoning is the free answer's text (the grammar is not reached)
         frames = asyncio.run(_ws_chat(s, messages=user, max_tokens=12, temperature=0.0,
                                       response_format={"type": "json_object"}))
-        assert all("reasoning" not in f for f in frames) and any(f["type"] == "delta" for f in frames)
+        assert "".join(f.get("reasoning", "") for f in frames if f["type"] == "delta") == reasoning
+        m = client.chat.completions.create(model="r1", messages=user, max_tokens=12, temperature=0,
+                                           response_format={"type": "json_object"}).choices[0].message
+        assert (m.model_extra["reasoning_content"], m.content or "") == (reasoning, "")
+        # an answer continuing the last message: that message's text says where it starts (its grammar holds it all)
+        cont = client.chat.completions.create(
+            model="r1", messages=[*user, {"role": "assistant", "content": "<think>I add"}], max_tokens=40,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                        "guided_regex": r" two and two\.</think>It is 4\."}).choices[0].message
+        assert (cont.model_extra["reasoning_content"], cont.content) == (" two and two.", "It is 4.")
 
 
 async def _ws_chat(server, **chat) -> list[dict]:
