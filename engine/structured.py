@@ -62,7 +62,7 @@ class StructuredOutput:
     {...}}`: tagged parts held to formats, e.g. JSON of a schema between `<function=f>` and `</function>`). `param`
     names the request field it came from, for errors (`response_format`, vLLM's `guided_json`, ...). `after`: the
     text the grammar starts after, any text up to it free (a reasoning model's `</think>`: its reasoning free, its
-    answer held, as vLLM holds a reasoning model's)."""
+    answer held, as vLLM holds a reasoning model's); a text that never writes it is free, and may end."""
 
     kind: Kind
     spec: str = ""
@@ -139,12 +139,14 @@ class Grammars:
                                                        stop_token_ids=sorted(eos_token_ids))
         # (its cache of compiled grammars is bounded: every distinct schema a client sends would stay in it)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
+        self.info = info
         self.vocab_size = vocab_size
         # NOTE: xgrammar takes added special tokens (<|im_start|>) for text: one could land inside a JSON string,
         # where the text (which never shows special tokens) would lose it. Only the grammar's end (EOS) may come.
         special = set(getattr(tokenizer, "all_special_ids", [])) | {
             i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
         self.banned = sorted(i for i in special if i not in eos_token_ids and 0 <= i < vocab_size)
+        self.banned_text = set(tokenizer.convert_ids_to_tokens(self.banned))  # (an `after` that is one: never written)
         self._keep = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)  # a bitmask's words, AND'ed
         for i in self.banned:  # (int32 words: the top bit is the sign's)
             self._keep[i // 32] &= 0x7FFFFFFF if i % 32 == 31 else ~(1 << (i % 32))
@@ -172,7 +174,7 @@ class Grammars:
         self._compiled[key] = future
         while len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
-        return self._compiles.submit(lambda: self._first_mask(self._compile(so)), future)
+        return self._compiles.submit(lambda: self._first_mask(self._compile(so), so.after), future)
 
     def start(self, req: Request, compiled: Compiled) -> None:
         """Gives `req` a matcher at the grammar's start, and the first mask, made with the grammar."""
@@ -180,10 +182,16 @@ class Grammars:
         req.mask.set_result(compiled.first_mask)  # (shared by the requests of the grammar: only read)
         _timed(req, compiled.first_mask_s)
 
-    def _first_mask(self, grammar: Any) -> Compiled:
+    def _first_mask(self, grammar: Any, after: str) -> Compiled:
         first = self.xgr.allocate_token_bitmask(1, self.vocab_size)
         seconds = _fill(self.xgr.GrammarMatcher(grammar), first)
-        if not bool((first & self._keep).any()):
+        if after:  # (the free text's start allows every token: what matters is the grammar's, after it)
+            matcher, held = self.xgr.GrammarMatcher(grammar), self.xgr.allocate_token_bitmask(1, self.vocab_size)
+            matcher.accept_string(after)
+            _fill(matcher, held)
+        else:
+            held = first
+        if not bool((held & self._keep).any()):
             raise ValueError("it matches no text: no token may begin it")
         return Compiled(grammar, first, seconds)
 
@@ -204,10 +212,25 @@ class Grammars:
     def _compile(self, so: StructuredOutput) -> Any:
         if not so.after:
             return self._compile_alone(so)
-        try:  # any text up to `after` (xgrammar's structural tag of any text, which ends at its end tag), then it
-            free = self.xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {
-                "type": "tag", "begin": "", "content": {"type": "any_text"}, "end": so.after}}))
-            return self.compiler.compile_grammar(self.xgr.Grammar.concat(free, self._grammar(so)))
+        if so.after in self.banned_text:
+            raise ValueError(f"{so.after!r} is a special token, never in the text: the free text could not end")
+        # any text up to `after` (xgrammar's structural tag of any text, which ends at its end tag), then the grammar;
+        # or any text without it, which may end (an answer that never writes it: a model that did not reason)
+        free = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": so.after}
+        unheld = {"type": "any_text", "excludes": [so.after]}
+        try:
+            if so.kind == "structural_tag":  # (one structural tag: its token names resolved by the compiler)
+                fmt = json.loads(so.spec).get("format")
+                if fmt is None:
+                    raise ValueError("a structural tag after free text must give its `format`")
+                return self.compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": {
+                    "type": "or", "elements": [{"type": "sequence", "elements": [free, fmt]}, unheld]}}))
+            g = self.xgr.Grammar
+
+            def tag(fmt: dict) -> Any:
+                return g.from_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
+
+            return self.compiler.compile_grammar(g.union(g.concat(tag(free), self._grammar(so)), tag(unheld)))
         except Exception as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise ValueError(f"cannot compile it: {reason}") from None
@@ -220,7 +243,7 @@ class Grammars:
         if so.kind == "regex":
             return g.from_regex(so.spec)
         if so.kind == "grammar":
-            return g.from_ebnf(so.spec) if "::=" in so.spec else g.from_lark(so.spec)
+            return g.from_ebnf(so.spec) if "::=" in so.spec else g.from_lark(so.spec, tokenizer_info=self.info)
         if so.kind == "structural_tag":
             return g.from_structural_tag(so.spec)
         return g.from_ebnf(_choice_ebnf(so.spec))

@@ -231,11 +231,11 @@ def _json_calls(text: str, names: frozenset[str]) -> list[dict[str, Any]] | None
 
 def answer(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole answer's `content` and tool calls."""
-    if p.mode == "named":
-        return None, [_call(p.name, text)]  # type: ignore[arg-type]
+    if p.mode == "named":  # (no text at all, a reasoning model's answer cut off in its reasoning: no call)
+        return None, [_call(p.name, text)] if text else []  # type: ignore[arg-type]
     if p.mode == "required":
         calls = _calls_of_list(text)
-        return (text, []) if calls is None else (None, calls)
+        return (text or None, []) if calls is None else (None, calls)
     if p.mode == "auto":  # (as streamed: a block that is not a call stays in the text)
         stream = ToolStream(p)
         deltas = stream.feed(text) + stream.end("stop")
@@ -288,9 +288,7 @@ class ToolStream:
     def end(self, reason: str) -> list[dict[str, Any]]:
         """The deltas still held back when the answer ended."""
         mode, out = self.plan.mode, []
-        if mode == "named" and not self.header:
-            out = self.feed("")
-        elif mode == "required":
+        if mode == "required":
             text = "".join(self.held)
             calls = _calls_of_list(text)
             if calls is None:

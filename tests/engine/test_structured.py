@@ -358,3 +358,28 @@ def test_a_grammar_after_free_text(tiny_model_dir, so, pattern):
         jsonschema.validate(json.loads(rest), SCHEMA)
     else:
         assert re.fullmatch(pattern, rest), out.text
+
+
+def test_free_text_before_after_may_end_and_what_follows_is_checked(tiny_model_dir):
+    """A text that never writes `after` is free to end (a model that did not reason); a grammar that matches no text is
+    refused under `after` as without it; Lark's token names resolve under it; an `after` that is a special token
+    (never in the text) is refused."""
+    from engine.structured import Grammars
+
+    eng = _engine(tiny_model_dir)
+    eos = sorted(eng.eos_token_ids)[0]
+    grammars = Grammars(eng.tokenizer, eng.model_config.vocab_size, eng.eos_token_ids)
+    compiled = grammars.compile(StructuredOutput("regex", REGEX, after="</think>")).result()
+    matcher = grammars.xgr.GrammarMatcher(compiled.grammar)
+    assert matcher.accept_string("still thinking") and matcher.accept_token(eos) and matcher.is_terminated()
+    matcher = grammars.xgr.GrammarMatcher(compiled.grammar)
+    assert matcher.accept_string("done</think>") and not matcher.accept_token(eos)  # (now held: the regex first)
+    assert matcher.accept_string("123-ab")
+    banned = grammars.banned[0]
+    for after in ("", "</think>"):
+        with pytest.raises(ValueError, match="matches no text"):
+            grammars.compile(StructuredOutput("grammar", f"start: <[{banned}]>", after=after)).result()
+    special = eng.tokenizer.convert_ids_to_tokens(banned)
+    grammars.compile(StructuredOutput("grammar", f'start: "A" {special}', after="</think>")).result()
+    with pytest.raises(ValueError, match="special token"):
+        grammars.compile(StructuredOutput("regex", REGEX, after=special)).result()

@@ -204,6 +204,15 @@ def test_deepseek_r1_reasons_freely_before_a_grammar(tools_model_dir) -> None:
         m = client.chat.completions.create(model="r1", messages=user, max_tokens=12, temperature=0,
                                            response_format={"type": "json_object"}).choices[0].message
         assert (m.model_extra["reasoning_content"], m.content or "") == (reasoning, "")
+        # a named call whose answer was cut off in its reasoning: no call (whole or streamed)
+        kw = dict(model="r1", messages=user, tools=TOOLS, max_tokens=12, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        assert m.model_extra["reasoning_content"] and (m.content, m.tool_calls, r.choices[0].finish_reason) == (
+            None, None, "length")
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
         # an answer continuing the last message: that message's text says where it starts (its grammar holds it all)
         cont = client.chat.completions.create(
             model="r1", messages=[*user, {"role": "assistant", "content": "<think>I add"}], max_tokens=40,
