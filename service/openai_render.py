@@ -133,26 +133,25 @@ class ChatRender(_Base):
         """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's); `tools`: what
         the request's tools ask of the answer (service/openai_tools.py: its calls parsed out of the text);
         `reasoning`: the server's `--reasoning-parser` (service/openai_reasoning.py: the answer's reasoning apart, as
-        `reasoning_content`; the tools parse its content; an echo's reasoning leads the answer's), `held` if the
-        template did not open the answer (a grammar holds it from its first token, no generation prompt), `continued`
-        the text of the message the answer continues (`continue_final_message`)."""
+        `reasoning_content`; the tools parse its content; an echo of the continued message is split with it),
+        `held` if the template did not open the answer (a grammar holds it from its first token, no generation
+        prompt), `continued` the text of the message the answer continues (`continue_final_message`)."""
         super().__init__(model, logprobs, index, first, token_ids=token_ids, prompt_logprobs=prompt_logprobs)
         self.echo = first.echo if first is not None else echo
         self.tools = first.tools if first is not None else tools
         self.reasoning = first.reasoning if first is not None else reasoning
-        self.echo_reasoning = first.echo_reasoning if first is not None else ""  # the echo's reasoning, if any
-        if first is None and reasoning is not None and echo:  # (the echo is the continued message: read as such)
-            echo_reasoning, self.echo = openai_reasoning.split(reasoning, echo, opened=False)
-            self.echo_reasoning = echo_reasoning or ""
+        # an echo of the message the answer continues is the answer's start, split with it (else it leads the content)
+        self.echo_split = first.echo_split if first is not None else (
+            reasoning is not None and bool(echo) and continued is not None)
         self.think_kwargs: dict[str, Any] = first.think_kwargs if first is not None else {
-            "opened": not held and continued is None, "prefix": continued or ""}
+            "opened": not held and continued is None, "prefix": "" if self.echo_split else continued or ""}
         self.stream = ToolStream(self.tools) if self.tools is not None else None
         self.think = ThinkStream(self.reasoning, **self.think_kwargs) if self.reasoning is not None else None
         self.held: list[TokenLogprobs] = []  # a stream's logprobs of text the parsers hold back
         # with a reasoning parser: where each token's text ends in the answer (its bytes decoded), so its logprobs go
         # with the part that text is in (the reasoning's, or the content's)
         self.placed: deque[tuple[int, TokenLogprobs]] = deque()
-        self.chars = 0
+        self.chars = len(self.echo) if self.echo_split else 0  # (the echo's characters come first)
         self.given: tuple[openai_reasoning.Kind, int] | None = None  # the last part given out: its kind, its end
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
@@ -172,14 +171,15 @@ class ChatRender(_Base):
     def choice(self, h: RequestHandle) -> dict[str, Any]:
         text, _, lps = h.take()
         message: dict[str, Any] = {"role": "assistant", "content": None}
+        echo = "" if self.echo_split else self.echo
         if self.reasoning is not None:
-            reasoning, text = openai_reasoning.split(self.reasoning, text, **self.think_kwargs)
-            message["reasoning_content"] = self.echo_reasoning + (reasoning or "") or None
-        message["content"] = self.echo + text
+            message["reasoning_content"], text = openai_reasoning.split(
+                self.reasoning, self.echo + text if self.echo_split else text, **self.think_kwargs)
+        message["content"] = echo + text
         reason = _finish_reason(h)
         if self.tools is not None:
             content, calls = openai_tools.answer(self.tools, text)
-            message["content"] = self.echo + content if content is not None else (self.echo or None)
+            message["content"] = echo + content if content is not None else (echo or None)
             if calls:
                 message["tool_calls"] = calls
             reason = openai_tools.finish_reason(self.tools, reason, bool(calls))
@@ -189,10 +189,9 @@ class ChatRender(_Base):
     def stream_start(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         chunks = [self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}], include_usage)]
-        if self.echo_reasoning:
-            chunks.append(self._chunk([{"index": self.index, "delta": {"reasoning_content": self.echo_reasoning},
-                                        "logprobs": None, "finish_reason": None}], include_usage))
-        if self.echo:
+        if self.echo_split:
+            chunks += self._parts(self.think.feed(self.echo), include_usage)  # type: ignore[union-attr]
+        elif self.echo:
             chunks.append(self._chunk([{"index": self.index, "delta": {"content": self.echo}, "logprobs": None,
                                         "finish_reason": None}], include_usage))
         return chunks

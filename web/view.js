@@ -169,7 +169,7 @@ export class View {
     const thinking = node.querySelector('.thinking');
     if (thinking && msg.reasoning) {
       thinking.hidden = false;
-      thinking.querySelector('summary').textContent = streaming && !msg.content ? 'Thinking…' : 'Thought';
+      thinking.querySelector('summary').textContent = streaming && !msg.content ? 'Thinking…' : 'Reasoning';
       thinking.querySelector('.thinking-body').replaceChildren(renderText(msg.reasoning));
     }
     node.querySelector('.body').replaceChildren(renderText(msg.content));

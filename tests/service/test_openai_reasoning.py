@@ -94,18 +94,29 @@ def test_each_tokens_logprobs_go_with_its_part() -> None:
 
 
 def test_an_echo_is_split_as_the_answer_it_leads() -> None:
-    """`echo` with `continue_final_message`: the echoed message's reasoning leads the answer's, its text the content."""
-    render = ChatRender("m", False, echo="<think>Let me", reasoning="deepseek_r1", continued="<think>Let me")
+    """`echo` with `continue_final_message`: the echoed message is the answer's start, split with it (a tag it leaves
+    unfinished too), whole or streamed alike; without `continue_final_message` the echo leads the content as is."""
+    for echo, text, want in [("<think>Let me", " see</think>42", ("Let me see", "42")),
+                             ("<think>abc</th", "ink>x", ("abc", "x")), ("<think", ">a</think>b", ("a", "b")),
+                             ("\n", "<think>a</think>b", ("a", "b")), ("Sure", ", 42", (None, "Sure, 42"))]:
+        def render() -> ChatRender:
+            return ChatRender("m", False, echo=echo, reasoning="deepseek_r1", continued=echo)
+
+        h = RequestHandle("r", "chat", lambda: None)
+        h.push(text, 3, None)
+        h.finish("stop", None)
+        message = render().choice(h)["message"]
+        assert (message["reasoning_content"], message["content"]) == want, echo
+        r = render()
+        chunks = r.stream_start(h, False) + r.stream_delta(text, [], False) + r.stream_end(h, False)
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == (want[0] or ""), echo
+        assert "".join(d.get("content") or "" for d in deltas) == want[1], echo
     h = RequestHandle("r", "chat", lambda: None)
-    h.push(" see</think>42", 3, None)
+    h.push("Hm.</think>42", 3, None)
     h.finish("stop", None)
-    message = render.choice(h)["message"]
-    assert (message["reasoning_content"], message["content"]) == ("Let me see", "42")
-    render = ChatRender("m", False, echo="<think>Let me", reasoning="deepseek_r1", continued="<think>Let me")
-    chunks = render.stream_start(h, False) + render.stream_delta(" see</think>42", [], False)
-    deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let me see"
-    assert "".join(d.get("content") or "" for d in deltas) == "42"
+    message = ChatRender("m", False, echo="<think>old</think>Hi", reasoning="deepseek_r1").choice(h)["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Hm.", "<think>old</think>Hi42")
 
 
 def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:

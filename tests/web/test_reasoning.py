@@ -43,7 +43,7 @@ def test_thinking_is_folded_above_the_answer(reasoning_ui: UI) -> None:
     expect(thinking.locator(".thinking-body")).not_to_be_empty()
     page.click("#send")  # stop
     expect(answer).to_have_attribute("data-status", "cancelled")
-    expect(thinking.locator("summary")).to_have_text("Thought")
+    expect(thinking.locator("summary")).to_have_text("Reasoning")
     expect(thinking).to_have_attribute("open", "")  # (repainting kept the reader's choice)
     chat_id = ui.last_chat_id()
     deltas = ui.frames("delta", chat_id)
