@@ -115,7 +115,8 @@ export class ChatBook extends EventTarget {
     const system = systemPromptOf(chat);
     if (system) messages.push({role: 'system', content: system});
     for (const m of chat.messages) {
-      if (m.role === 'user' || (m.role === 'assistant' && m.status !== 'error' && m.content)) {
+      // an answer that was all reasoning (cut off while thinking) is a turn with no text: roles keep alternating
+      if (m.role === 'user' || (m.role === 'assistant' && m.status !== 'error' && (m.content || m.reasoning))) {
         messages.push({role: m.role, content: m.content});
       }
     }

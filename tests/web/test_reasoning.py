@@ -51,7 +51,7 @@ def test_thinking_is_folded_above_the_answer(reasoning_ui: UI) -> None:
     assert reasoning and not "".join(f["text"] for f in deltas)
     assert thinking.locator(".thinking-body").text_content().split() == reasoning.split()
     expect(answer.locator(".body")).to_be_empty()
-    # kept across a reload; the next turn's history has no reasoning (the answer had no text: no turn of its)
+    # kept across a reload; the next turn's history has no reasoning (the answer had no text: an empty turn)
     page.reload()
     ui.wait_connected()
     expect(ui.last_answer().locator(".thinking-body")).not_to_be_empty()
@@ -59,5 +59,5 @@ def test_thinking_is_folded_above_the_answer(reasoning_ui: UI) -> None:
     ui.send("and now?")
     expect(ui.last_answer()).to_have_attribute("data-status", "done")
     history = [f for f in ui.sent if f["type"] == "chat"][-1]["messages"]
-    assert [m["role"] for m in history if m["role"] != "system"] == ["user", "user"] and not any(
+    assert [m["role"] for m in history if m["role"] != "system"] == ["user", "assistant", "user"] and not any(
         reasoning[:20] in m["content"] for m in history)
