@@ -236,7 +236,7 @@ class Grammars:
             raise ValueError(f"cannot compile it: {reason}") from None
 
     def _grammar(self, so: StructuredOutput) -> Any:
-        """`so`'s grammar, not compiled (as `_compile_alone` compiles it)."""
+        """`so`'s grammar, not compiled (as `_compile_alone` compiles it; a structural tag is compiled whole)."""
         g = self.xgr.Grammar
         if so.kind in ("json", "json_object"):
             return g.from_json_schema(so.spec if so.kind == "json" else '{"type": "object"}', any_whitespace=False)
@@ -244,8 +244,6 @@ class Grammars:
             return g.from_regex(so.spec)
         if so.kind == "grammar":
             return g.from_ebnf(so.spec) if "::=" in so.spec else g.from_lark(so.spec, tokenizer_info=self.info)
-        if so.kind == "structural_tag":
-            return g.from_structural_tag(so.spec)
         return g.from_ebnf(_choice_ebnf(so.spec))
 
     def _compile_alone(self, so: StructuredOutput) -> Any:
