@@ -62,12 +62,16 @@ class StructuredOutput:
     {...}}`: tagged parts held to formats, e.g. JSON of a schema between `<function=f>` and `</function>`). `param`
     names the request field it came from, for errors (`response_format`, vLLM's `guided_json`, ...). `after`: the
     text the grammar starts after, any text up to it free (a reasoning model's `</think>`: its reasoning free, its
-    answer held, as vLLM holds a reasoning model's); a text that never writes it is free, and may end."""
+    answer held, as vLLM holds a reasoning model's); a text that never writes it is free, and may end. `opens`, with
+    `after`: the free text must open with it (qwen3's `<think>`, which its model may not write): a text that does not
+    is held from its start; a grammar that may itself begin with it is held whole, as without `after` (its own
+    reasoning format)."""
 
     kind: Kind
     spec: str = ""
     param: str = "response_format"
     after: str = ""
+    opens: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -151,7 +155,7 @@ class Grammars:
         for i in self.banned:  # (int32 words: the top bit is the sign's)
             self._keep[i // 32] &= 0x7FFFFFFF if i % 32 == 31 else ~(1 << (i % 32))
         self._bitmask: torch.Tensor | None = None
-        self._compiled: OrderedDict[tuple[str, str, str], Future] = OrderedDict()  # by (kind, spec, after)
+        self._compiled: OrderedDict[tuple[str, ...], Future] = OrderedDict()  # by (kind, spec, after, opens)
         # NOTE: compiles at the usual priority: a request waits COMPILE_TIMEOUT_S of wall time for its own (at the
         # lowest, beside a forward that keeps the cores busy, a 0.5 s compile took over 30 s and was refused)
         self._compiles = _Worker.named("sluice-grammar")
@@ -166,7 +170,7 @@ class Grammars:
         """The compiled grammar of `so` (`Compiled`), to come (on the compile thread) or kept from an earlier request;
         the future raises ValueError if its schema, expression or choices cannot be compiled, or if the grammar
         allows no token at its start (it matches nothing: the sampler would have nothing to draw)."""
-        key = (so.kind, so.spec, so.after)
+        key = (so.kind, so.spec, so.after, so.opens)
         if (done := self._compiled.get(key)) is not None and not (done.done() and done.exception() is not None):
             self._compiled.move_to_end(key)
             return done
@@ -174,7 +178,7 @@ class Grammars:
         self._compiled[key] = future
         while len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
-        return self._compiles.submit(lambda: self._first_mask(self._compile(so), so.after), future)
+        return self._compiles.submit(lambda: self._first_mask(*self._compile(so)), future)
 
     def start(self, req: Request, compiled: Compiled) -> None:
         """Gives `req` a matcher at the grammar's start, and the first mask, made with the grammar."""
@@ -182,12 +186,14 @@ class Grammars:
         req.mask.set_result(compiled.first_mask)  # (shared by the requests of the grammar: only read)
         _timed(req, compiled.first_mask_s)
 
-    def _first_mask(self, grammar: Any, after: str) -> Compiled:
+    def _first_mask(self, grammar: Any, free: str) -> Compiled:
+        """`free`: a free text the grammar starts after (its start allows every token: what matters is the grammar's,
+        after it)."""
         first = self.xgr.allocate_token_bitmask(1, self.vocab_size)
         seconds = _fill(self.xgr.GrammarMatcher(grammar), first)
-        if after:  # (the free text's start allows every token: what matters is the grammar's, after it)
+        if free:
             matcher, held = self.xgr.GrammarMatcher(grammar), self.xgr.allocate_token_bitmask(1, self.vocab_size)
-            matcher.accept_string(after)
+            matcher.accept_string(free)
             _fill(matcher, held)
         else:
             held = first
@@ -209,28 +215,40 @@ class Grammars:
 
             req.mask = self._masks.submit(fill)
 
-    def _compile(self, so: StructuredOutput) -> Any:
+    def _compile(self, so: StructuredOutput) -> tuple[Any, str]:
+        """The compiled grammar, and the free text that leads to its own start ("" if none)."""
+        alone = StructuredOutput(so.kind, so.spec, so.param)
         if not so.after:
-            return self._compile_alone(so)
+            return self._compile_alone(alone), ""
         if so.after in self.banned_text:
             raise ValueError(f"{so.after!r} is a special token, never in the text: the free text could not end")
+        if so.opens:  # (a grammar that may itself begin with `opens`: its own reasoning format, held whole)
+            compiled = self._compile_alone(alone)
+            if self.xgr.GrammarMatcher(compiled).accept_string(so.opens):
+                return compiled, ""
         # any text up to `after` (xgrammar's structural tag of any text, which ends at its end tag), then the grammar;
-        # or any text without it, which may end (an answer that never writes it: a model that did not reason)
-        free = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": so.after}
+        # or any text without it, which may end (an answer that never writes it: a model that did not reason); with
+        # `opens`, both only after it, or else the grammar from the start
+        free = {"type": "tag", "begin": so.opens, "content": {"type": "any_text"}, "end": so.after}
         unheld = {"type": "any_text", "excludes": [so.after]}
+        if so.opens:
+            unheld = {"type": "sequence", "elements": [{"type": "const_string", "value": so.opens}, unheld]}
         try:
             if so.kind == "structural_tag":  # (one structural tag: its token names resolved by the compiler)
                 fmt = json.loads(so.spec).get("format")
                 if fmt is None:
                     raise ValueError("a structural tag after free text must give its `format`")
+                branches = [{"type": "sequence", "elements": [free, fmt]}, unheld] + ([fmt] if so.opens else [])
                 return self.compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": {
-                    "type": "or", "elements": [{"type": "sequence", "elements": [free, fmt]}, unheld]}}))
+                    "type": "or", "elements": branches}})), so.opens + so.after
             g = self.xgr.Grammar
 
             def tag(fmt: dict) -> Any:
                 return g.from_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
 
-            return self.compiler.compile_grammar(g.union(g.concat(tag(free), self._grammar(so)), tag(unheld)))
+            held = self._grammar(so)
+            branches = [g.concat(tag(free), held), tag(unheld)] + ([held] if so.opens else [])
+            return self.compiler.compile_grammar(g.union(*branches)), so.opens + so.after
         except Exception as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise ValueError(f"cannot compile it: {reason}") from None

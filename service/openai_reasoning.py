@@ -10,8 +10,8 @@ tags as text). Two conventions, by the server's `--reasoning-parser`:
   it starts with `<think>`, else all content.
 
 An answer the template did not open (held to a grammar from its first token, no generation prompt, or continuing the
-last message, whose text is read first) follows qwen3's rule under either parser. Under deepseek_r1 a grammar holds
-only the answer after `</think>` (`after_reasoning`): the reasoning the template opened is free, as vLLM's.
+last message, whose text is read first) follows qwen3's rule under either parser. A grammar holds only the answer
+after `</think>` (`after_reasoning`): the reasoning before it is free, as vLLM's.
 
 `ThinkStream` splits text as it streams, in any pieces: what a whole answer gives is what its pieces give.
 """
@@ -121,7 +121,10 @@ def split(parser: str, text: str, **kwargs: Any) -> tuple[str | None, str]:
 
 
 def after_reasoning(parser: str | None, so: StructuredOutput) -> StructuredOutput:
-    """The structured output of an answer after a generation prompt: under deepseek_r1 (whose template opened
-    `<think>`: the model reasons first) it holds only the text after `</think>`; under qwen3, whose model may not
-    reason, and without a parser, all of it."""
-    return replace(so, after=END) if parser == "deepseek_r1" else so
+    """The structured output of an answer after a generation prompt, as vLLM's holds a reasoning model's: only the
+    text after `</think>`; under deepseek_r1 (whose template opened `<think>`) the reasoning before it is free, under
+    qwen3 only a reasoning the answer opens with `<think>` (else it is held from its start); a grammar that may itself
+    begin with `<think>` holds it whole (engine/structured.py `opens`). Without a parser, all of it."""
+    if parser == "deepseek_r1":
+        return replace(so, after=END)
+    return replace(so, after=END, opens=START) if parser == "qwen3" else so

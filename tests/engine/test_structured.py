@@ -383,3 +383,31 @@ def test_free_text_before_after_may_end_and_what_follows_is_checked(tiny_model_d
     grammars.compile(StructuredOutput("grammar", f'start: "A" {special}', after="</think>")).result()
     with pytest.raises(ValueError, match="special token"):
         grammars.compile(StructuredOutput("regex", REGEX, after=special)).result()
+
+
+def test_a_grammar_after_an_opened_free_text(tiny_model_dir):
+    """`opens` (qwen3's `<think>`): the free text is only one the answer opens with it, else the grammar holds from
+    the start; an unclosed one may end; a grammar that may itself begin with it holds the answer whole."""
+    from engine.structured import Grammars
+
+    eng = _engine(tiny_model_dir)
+    eos = sorted(eng.eos_token_ids)[0]
+    grammars = Grammars(eng.tokenizer, eng.model_config.vocab_size, eng.eos_token_ids)
+
+    def matcher(so: StructuredOutput):
+        return grammars.xgr.GrammarMatcher(grammars.compile(so).result().grammar)
+
+    for so, held in [(StructuredOutput("regex", REGEX), "123-ab"),
+                     (StructuredOutput("json", json.dumps(SCHEMA)), '{"color": "red", "n": 1, "ok": true}'),
+                     (StructuredOutput("structural_tag", json.dumps({"type": "structural_tag", "format": {
+                         "type": "const_string", "value": "OK"}})), "OK")]:
+        so = StructuredOutput(so.kind, so.spec, after="</think>", opens="<think>")
+        m = matcher(so)
+        assert m.accept_string("<think>free text</think>" + held) and m.accept_token(eos) and m.is_terminated()
+        m = matcher(so)
+        assert m.accept_string(held) and m.accept_token(eos)  # (no reasoning: held from the start)
+        m = matcher(so)
+        assert m.accept_string("<think>never closed") and m.accept_token(eos)
+        assert not matcher(so).accept_string("x") and not matcher(so).accept_string(" <think>")
+    own = StructuredOutput("regex", "<think>[a-z]+</think>[0-9]", after="</think>", opens="<think>")
+    assert matcher(own).accept_string("<think>ab</think>1") and not matcher(own).accept_string("<think>AB")

@@ -9,6 +9,7 @@ import json
 
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from service.app import build_app
 from service.config import ServerConfig
@@ -120,7 +121,8 @@ def test_an_echo_is_split_as_the_answer_it_leads() -> None:
 
 
 def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
-    """Under qwen3 (a grammar holds the whole answer: a regex writes the reasoning answer)."""
+    """Under qwen3, with regexes that themselves open <think> (so they hold the whole answer) to write reasoning
+    answers."""
     config = ServerConfig(model=str(tools_model_dir), served_model_name="r1", num_kv_blocks=256, max_model_len=1024,
                           engine_process=False, reasoning_parser="qwen3", enable_auto_tool_choice=True,
                           tool_call_parser="hermes")
@@ -152,8 +154,10 @@ def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
                 else ""
         assert tokens["reasoning_content"] == "<think>" + reasoning
         assert tokens["content"].startswith("</think>" + m.content)  # (and the end token's)
-        # a grammar holds the answer from its first token: no template opened <think> for it, so it is content
-        held = client.chat.completions.create(model="r1", messages=MESSAGES, max_tokens=20,
+        # an answer that does not open <think> is held by its grammar from its start (no "<": by construction)
+        tok = AutoTokenizer.from_pretrained(tools_model_dir)
+        no_tag = {str(i): -100 for i in range(len(tok)) if tok.decode([i]).startswith("<")}
+        held = client.chat.completions.create(model="r1", messages=MESSAGES, max_tokens=20, logit_bias=no_tag,
                                               extra_body={"guided_regex": r"It is (4|5)\."}).choices[0].message
         assert held.model_extra["reasoning_content"] is None and held.content.startswith("It is")
         # the tools parse the content, not the reasoning
