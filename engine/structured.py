@@ -62,7 +62,8 @@ class StructuredOutput:
     {...}}`: tagged parts held to formats, e.g. JSON of a schema between `<function=f>` and `</function>`). `param`
     names the request field it came from, for errors (`response_format`, vLLM's `guided_json`, ...). `after`: the
     text the grammar starts after, any text up to it free (a reasoning model's `</think>`: its reasoning free, its
-    answer held, as vLLM holds a reasoning model's); a text that never writes it is free, and may end. `opens`, with
+    answer held, as vLLM holds a reasoning model's; one that is a special token, never in the text, is ignored: the
+    grammar holds the whole text); a text that never writes it is free, and may end. `opens`, with
     `after`: the free text must open with it (qwen3's `<think>`, which its model may not write): a text that does not
     is held from its start; a grammar that may itself begin with it is held whole, as without `after` (its own
     reasoning format)."""
@@ -193,7 +194,8 @@ class Grammars:
         seconds = _fill(self.xgr.GrammarMatcher(grammar), first)
         if free:
             matcher, held = self.xgr.GrammarMatcher(grammar), self.xgr.allocate_token_bitmask(1, self.vocab_size)
-            matcher.accept_string(free)
+            if not matcher.accept_string(free):
+                raise ValueError(f"its free text cannot end with {free!r}")
             _fill(matcher, held)
         else:
             held = first
@@ -220,8 +222,8 @@ class Grammars:
         alone = StructuredOutput(so.kind, so.spec, so.param)
         if not so.after:
             return self._compile_alone(alone), ""
-        if so.after in self.banned_text:
-            raise ValueError(f"{so.after!r} is a special token, never in the text: the free text could not end")
+        if so.after in self.banned_text:  # (a special token, never in the text: a free text could never end)
+            return self._compile_alone(alone), ""
         if so.opens:  # (a grammar that may itself begin with `opens`: its own reasoning format, held whole)
             compiled = self._compile_alone(alone)
             if self.xgr.GrammarMatcher(compiled).accept_string(so.opens):
