@@ -157,7 +157,7 @@ def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
         kwargs["structured_output"] = openai_reasoning.after_reasoning(svc.config.reasoning_parser, so)
     params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, **kwargs)
-    held = params.structured_output is not None and not params.structured_output.after
+    so = params.structured_output  # (one held from its first token: the template opened nothing for it)
     messages = chat_messages(body)
     req = GenerateRequest(prompt=messages, chat=True, params=params, api=api, client=client,
                           fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
@@ -168,7 +168,7 @@ def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
     render = ChatRender(svc.model_name, bool(body.logprobs), echo=echo, token_ids=bool(body.return_tokens_as_token_ids),
                         tools=tools if tools.mode != "none" else None, prompt_logprobs=body.prompt_logprobs,
                         reasoning=svc.config.reasoning_parser,
-                        held=held or not add_generation_prompt,
+                        opened=add_generation_prompt and (so is None or bool(so.after)),
                         continued=messages[-1]["content"] or "" if continue_final else None)
     return req, render
 

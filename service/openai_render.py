@@ -128,13 +128,13 @@ class ChatRender(_Base):
 
     def __init__(self, model: str, logprobs: bool, index: int = 0, first: ChatRender | None = None, *,
                  echo: str = "", token_ids: bool = False, tools: ToolPlan | None = None,
-                 prompt_logprobs: int | None = None, reasoning: str | None = None, held: bool = False,
+                 prompt_logprobs: int | None = None, reasoning: str | None = None, opened: bool = True,
                  continued: str | None = None) -> None:
         """`echo`: the text each answer starts with (vLLM's `echo`: the last message's, an assistant's); `tools`: what
         the request's tools ask of the answer (service/openai_tools.py: its calls parsed out of the text);
         `reasoning`: the server's `--reasoning-parser` (service/openai_reasoning.py: the answer's reasoning apart, as
         `reasoning_content`; the tools parse its content; an echo of the continued message is split with it),
-        `held` if the template did not open the answer (a grammar holds it from its first token, no generation
+        `opened` unless the template did not open the answer (a grammar holds it from its first token, no generation
         prompt), `continued` the text of the message the answer continues (`continue_final_message`)."""
         super().__init__(model, logprobs, index, first, token_ids=token_ids, prompt_logprobs=prompt_logprobs)
         self.echo = first.echo if first is not None else echo
@@ -144,7 +144,7 @@ class ChatRender(_Base):
         self.echo_split = first.echo_split if first is not None else (
             reasoning is not None and bool(echo) and continued is not None)
         self.think_kwargs: dict[str, Any] = first.think_kwargs if first is not None else {
-            "opened": not held and continued is None, "prefix": "" if self.echo_split else continued or ""}
+            "opened": opened and continued is None, "prefix": "" if self.echo_split else continued or ""}
         self.stream = ToolStream(self.tools) if self.tools is not None else None
         self.think = ThinkStream(self.reasoning, **self.think_kwargs) if self.reasoning is not None else None
         self.held: list[TokenLogprobs] = []  # a stream's logprobs of text the parsers hold back
