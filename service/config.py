@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,10 @@ class ServerConfig:
     # HTTP / WebSocket surface
     host: str = "127.0.0.1"
     port: int = 8000
+    ssl_keyfile: str | None = None  # (vLLM's) TLS: with ssl_certfile, the server speaks https:// and wss://
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None  # CAs that sign the client certificates ssl_cert_reqs asks for
+    ssl_cert_reqs: int = 0  # the ssl module's CERT_NONE (0), CERT_OPTIONAL (1), CERT_REQUIRED (2)
     served_model_name: str | None = None
     enable_auto_tool_choice: bool = False  # (vLLM's) chat tool_choice "auto": the answer parsed for calls
     tool_call_parser: str | None = None  # how: `hermes` or `llama3_json` (service/openai_tools.py)
@@ -105,6 +110,32 @@ class ServerConfig:
             raise ValueError("--responses-store-mb must be >= 0 (0: store no responses)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
+        self.tls_context()  # (a certificate that does not load fails here, at start)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The server's TLS context from the --ssl-* flags, or None without them; a ValueError names what is wrong.
+        uvicorn builds its own from the same flags: this one checks them at start, and serves the healthcheck."""
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        if self.ssl_certfile is None:
+            if self.ssl_ca_certs is not None or self.ssl_cert_reqs:
+                raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile")
+            return None
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ValueError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {self.ssl_cert_reqs}")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs, the CAs that sign client certificates")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        flag = "--ssl-certfile / --ssl-keyfile"
+        try:
+            context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+            if self.ssl_ca_certs is not None:
+                flag = "--ssl-ca-certs"
+                context.load_verify_locations(self.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as e:  # (a missing file, a key that is not the certificate's, not PEM)
+            raise ValueError(f"{flag}: {e}") from None
+        context.verify_mode = ssl.VerifyMode(self.ssl_cert_reqs)
+        return context
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `EngineConfig`; unset fields are omitted so the engine's defaults apply."""
@@ -251,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--host", default=d.host, help="interface to bind (default: %(default)s)")
     s.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
+    s.add_argument("--ssl-keyfile", metavar="FILE", help="TLS private key (PEM); with --ssl-certfile the server "
+                   "serves https:// and wss:// instead of http:// and ws://")
+    s.add_argument("--ssl-certfile", metavar="FILE", help="TLS certificate chain (PEM), the server's first")
+    s.add_argument("--ssl-ca-certs", metavar="FILE", help="CA certificates (PEM) that sign client certificates")
+    s.add_argument("--ssl-cert-reqs", type=int, default=d.ssl_cert_reqs, choices=(0, 1, 2),
+                   help="client certificates: 0 not asked for, 1 checked when sent, 2 required (mutual TLS) "
+                        "(default: %(default)s)")
     s.add_argument("--served-model-name", help="model name in API responses (default: the model's)")
     s.add_argument("--enable-auto-tool-choice", action="store_true", default=d.enable_auto_tool_choice,
                    help="chat completions with tools may leave the choice to the model (tool_choice auto, the default "

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -35,14 +36,15 @@ class Server:
     port: int
     proc: subprocess.Popen[bytes]
     log: Path
+    tls: ssl.SSLContext | None = None  # a server started with --ssl-*: a client context that trusts its certificate
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/ws"
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}/v1/ws"
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -62,10 +64,11 @@ class Server:
         return self.proc.returncode
 
 
-def spawn_server(tmp: Path, *flags: str, env: dict[str, str] | None = None, tiny: bool = True) -> Server:
+def spawn_server(tmp: Path, *flags: str, env: dict[str, str] | None = None, tiny: bool = True,
+                 tls: ssl.SSLContext | None = None) -> Server:
     """Starts a server without waiting for it (start several, then `wait_healthy` each). Without a `--model` flag
     it serves engine/tiny.py's test model (random weights: outputs far from ties, no early end), unless `tiny` is
-    False: then the embedded default."""
+    False: then the embedded default. With `--ssl-*` flags, `tls` is the client's context for it."""
     if tiny and not any(f == "--model" or f.startswith("--model=") for f in flags) and "SLUICE_MODEL" not in (env or {}):
         from engine.tiny import default_model_dir
 
@@ -75,7 +78,7 @@ def spawn_server(tmp: Path, *flags: str, env: dict[str, str] | None = None, tiny
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port), *flags],
                             cwd=REPO, env=full_env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    return Server(port, proc, log)
+    return Server(port, proc, log, tls)
 
 
 def wait_healthy(server: Server) -> Server:
@@ -84,7 +87,7 @@ def wait_healthy(server: Server) -> Server:
         if server.proc.poll() is not None:
             pytest.fail(f"sluice serve exited with {server.proc.returncode}:\n{server.log_tail(80)}")
         try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=2, context=server.tls) as r:
                 if r.status == 200:
                     return server
         except OSError:
@@ -102,7 +105,7 @@ async def wait_websockets(server: Server, n: int, timeout: float = 10.0) -> None
     """Until the server has `n` WebSockets open (its metrics say): a socket's slot frees a moment after its close
     handshake."""
     deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(base_url=server.url) as http:
+    async with httpx.AsyncClient(base_url=server.url, verify=server.tls or True) as http:
         while True:
             text = (await http.get("/metrics")).text
             if float(re.search(r"^sluice_websocket_connections (\S+)$", text, re.MULTILINE)[1]) == n:

@@ -48,7 +48,9 @@ async def send(ws: ClientConnection, **msg: Any) -> None:
 
 
 async def open_ws(server: Server, **kwargs: Any) -> ClientConnection:
-    """Connected and past `ready` (no API key)."""
+    """Connected and past `ready` (no API key); over wss:// to a server started with TLS."""
+    if server.tls is not None:
+        kwargs.setdefault("ssl", server.tls)
     ws = await connect(server.ws_url, max_size=None, **kwargs)
     ready = await recv(ws)
     assert ready["type"] == "ready", ready

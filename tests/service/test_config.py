@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import trustme
 
 from service.config import (
     ServerConfig,
@@ -64,6 +65,12 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
     prompt_a, prompt_b = tmp_path / "a.txt", tmp_path / "b.txt"
     prompt_a.write_text("A")
     prompt_b.write_text("B")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    key_pem, cert_pem, ca_pem = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "ca.pem"
+    cert.private_key_pem.write_to_path(str(key_pem))
+    cert.cert_chain_pems[0].write_to_path(str(cert_pem))
+    ca.cert_pem.write_to_path(str(ca_pem))
     env = {
         "SLUICE_MODEL": "/models/m", "SLUICE_DTYPE": "bfloat16", "SLUICE_DEVICE": "cuda", "SLUICE_BLOCK_SIZE": "32",
         "SLUICE_NUM_KV_BLOCKS": "100", "SLUICE_MAX_NUM_SEQS": "8", "SLUICE_MAX_NUM_BATCHED_TOKENS": "512",
@@ -87,6 +94,8 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_ENABLE_AUTO_TOOL_CHOICE": "1", "SLUICE_TOOL_CALL_PARSER": "hermes",
         "SLUICE_RESPONSES_STORE_MB": "0.5", "SLUICE_CHAT_TEMPLATE": "{{ messages[0]['content'] }}",
         "SLUICE_REASONING_PARSER": "qwen3",
+        "SLUICE_SSL_KEYFILE": str(key_pem), "SLUICE_SSL_CERTFILE": str(cert_pem), "SLUICE_SSL_CA_CERTS": str(ca_pem),
+        "SLUICE_SSL_CERT_REQS": "1",
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -94,7 +103,8 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         model="/models/m", dtype="bfloat16", device="cuda", block_size=32, num_kv_blocks=100, max_num_seqs=8,
         max_num_batched_tokens=512, max_model_len=1024, scheduling="static", prefix_caching=False,
         long_prefill_token_threshold=64, max_num_partial_prefills=2, itl_slo_ms=150.0, seed=7, pin_system_prompt=(str(prompt_a), str(prompt_b)),
-        host="0.0.0.0", port=9000, served_model_name="m", enable_auto_tool_choice=True, tool_call_parser="hermes", responses_store_mb=0.5,
+        host="0.0.0.0", port=9000, ssl_keyfile=str(key_pem), ssl_certfile=str(cert_pem), ssl_ca_certs=str(ca_pem),
+        ssl_cert_reqs=1, served_model_name="m", enable_auto_tool_choice=True, tool_call_parser="hermes", responses_store_mb=0.5,
         chat_template="{{ messages[0]['content'] }}", reasoning_parser="qwen3",
         api_key="k", allowed_origins=("http://a.example", "http://b.example"),
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
