@@ -13,6 +13,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")  # auto: the model's dtype
 DEVICES = ("auto", "cpu", "cuda")
 CUDAGRAPH_MODES = ("full", "full_decode_only")
+# the generation config's keys that set requests' sampling defaults (vLLM's); max_new_tokens caps every request
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def default_model_dir() -> Path:
@@ -63,6 +65,10 @@ class EngineConfig:
     enforce_eager: bool = True  # False: steps replay CUDA graphs (engine/cuda_graphs.py; on until a GPU has measured them)
     cudagraph_mode: str = "full"  # with graphs: "full" (decode and mixed steps) or "full_decode_only" (vLLM's names)
     chat_template: str | None = None  # a Jinja chat template (its text) in place of the model's own
+    # (vLLM's) where requests' sampling defaults come from: "auto" the model's generation_config.json, "vllm" none
+    # (SamplingParams' own), or a directory holding a generation_config.json; engine/loader.py `sampling_defaults`
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None  # (vLLM's) generation config keys over those, e.g. {"temperature": 0.5}
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -101,6 +107,13 @@ class EngineConfig:
              f"({self.ngram_prompt_lookup_max})")
         need(self.speculative_disable_by_batch_size >= 1,
              f"speculative_disable_by_batch_size must be >= 1, got {self.speculative_disable_by_batch_size}")
+        need(self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config),
+             f"generation_config must be auto, vllm or a directory, got {self.generation_config!r}")
+        need(self.override_generation_config is None or isinstance(self.override_generation_config, dict),
+             "override_generation_config must be a dict of generation config keys")
+        need(not set(self.override_generation_config or ()) - set(GENERATION_KEYS),
+             f"override_generation_config takes {', '.join(GENERATION_KEYS)}; "
+             f"not {', '.join(sorted(set(self.override_generation_config or ()) - set(GENERATION_KEYS)))}")
         need(0.0 < self.kv_memory_fraction <= 1.0, f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 
     @property

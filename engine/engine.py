@@ -69,6 +69,15 @@ class LLMEngine:
         self.model_name = model_dir.name
         self.device, self.dtype = placement(config)
         self.model_config = mc = loader.load_model_config(model_dir)
+        self.sampling_defaults = loader.sampling_defaults(model_dir, config.generation_config,
+                                                          config.override_generation_config)
+        try:  # (a value SamplingParams refuses fails here, at start, not in every request)
+            SamplingParams(**self.sampling_defaults)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"the generation config's sampling defaults {self.sampling_defaults}: {e}") from None
+        if self.sampling_defaults:
+            log.info("sampling defaults from the generation config (as vLLM's; --generation-config vllm: none): %s",
+                     self.sampling_defaults)
         shard = Shard.plan(mc, 0, config.tensor_parallel_size)  # a size that cannot split is refused here, first
         # the other ranks load their shards while this one loads its own
         self.workers = None if shard.world == 1 else Workers(config, model_dir, self.device, self.dtype)
@@ -247,7 +256,7 @@ class LLMEngine:
         recomputed as a preempted request's are, and what comes out next is what that engine would have sent.
         `add_special_tokens`: a str prompt is tokenized with the special tokens its tokenizer adds to a text (a BOS),
         as Hugging Face's tokenizers and vLLM do."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.processor.prompt_ids(prompt, chat=False, add_special_tokens=add_special_tokens)
@@ -807,13 +816,18 @@ class LLMEngine:
 
     # -- conveniences ----------------------------------------------------------------------
 
+    def default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams` with the model's generation config's defaults (`sampling_defaults`; vLLM's
+        `get_default_sampling_params`): what a request without params gets."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
         *, add_special_tokens: bool = True,
     ) -> list[CompletionOutput]:
         """Runs `prompts` to completion. Drives `step()` itself: not for use beside other step() callers.
         `add_special_tokens`: as `add_request`'s."""
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(params_list)} SamplingParams")
         ids = [f"generate-{next(self._ids)}" for _ in prompts]

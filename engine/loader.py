@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from engine.config import GENERATION_KEYS
 from engine.models import ARCHITECTURES, ModelConfig
 
 
@@ -132,6 +133,28 @@ def preload_tokenizers() -> None:
 
 def load_tokenizer(model_dir: str | Path):
     return auto_tokenizer().from_pretrained(str(model_dir), local_files_only=True)
+
+
+def sampling_defaults(model_dir: str | Path, generation_config: str = "auto",
+                      override: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Requests' sampling defaults as `SamplingParams` keyword arguments, as vLLM's `--generation-config` takes them:
+    the `GENERATION_KEYS` a generation_config.json sets (the model's for "auto", the one in a directory, none for
+    "vllm"), `override` over them; `max_new_tokens` becomes `max_tokens`, a cap on every request's. The rest of the
+    file (`do_sample` among it, as vLLM) is not read. Raises ValueError for a file that is not a JSON object."""
+    config: dict[str, Any] = {}
+    if generation_config != "vllm":
+        path = Path(model_dir if generation_config == "auto" else generation_config) / "generation_config.json"
+        if path.is_file():
+            config = json.loads(path.read_text())
+            if not isinstance(config, dict):
+                raise ValueError(f"{path}: not a JSON object")
+        elif generation_config != "auto":
+            raise ValueError(f"generation_config: no generation_config.json in {generation_config}")
+    config = {**config, **(override or {})}
+    out = {key: config[key] for key in GENERATION_KEYS if config.get(key) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    return out
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer) -> set[int]:

@@ -88,6 +88,7 @@ class EngineBridge:
         self.fatal: str | None = None
         self.model_name = ""
         self.max_model_len = 0
+        self.sampling_defaults: dict[str, Any] = {}  # the model's generation config's, once ready (service/handle.py)
         self.stats: dict[str, Any] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -261,6 +262,7 @@ class EngineBridge:
     # ---- the engine thread's Listener (called on the loop) -----------------------------------
     def on_ready(self, ready: EngineReady) -> None:
         self.model_name, self.max_model_len, self.stats = ready.model_name, ready.max_model_len, ready.stats
+        self.sampling_defaults = ready.sampling_defaults
         self._processor = ready.processor
         freeze_startup_heap()  # (this process's: in --engine-process mode the engine's froze its own)
         self.ready = True

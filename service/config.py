@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import ssl
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,7 @@ ENGINE_FIELDS = (
     "max_num_batched_tokens", "max_model_len", "scheduling", "long_prefill_token_threshold",
     "max_num_partial_prefills", "itl_slo_ms", "seed", "kv_offload_gb", "kv_cache_dtype", "tensor_parallel_size",
     "speculative", "num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
-    "speculative_disable_by_batch_size", "cudagraph_mode",
+    "speculative_disable_by_batch_size", "cudagraph_mode", "generation_config", "override_generation_config",
 )
 
 
@@ -56,6 +57,8 @@ class ServerConfig:
     async_scheduling: bool = False
     prefix_store: bool = True
     pin_system_prompt: tuple[str, ...] = ()
+    generation_config: str | None = None  # (vLLM's) requests' sampling defaults: auto (the model's), vllm (none), DIR
+    override_generation_config: dict[str, Any] | None = None  # (vLLM's) generation config keys over those
     # HTTP / WebSocket surface
     host: str = "127.0.0.1"
     port: int = 8000
@@ -149,6 +152,20 @@ class ServerConfig:
         if self.chat_template is not None:
             kwargs["chat_template"] = chat_template_text(self.chat_template)
         return kwargs
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (`--override-generation-config`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(text) from None
+    if not isinstance(value, dict):
+        raise ValueError(text)
+    return value
+
+
+json_object.__name__ = "JSON object"  # (argparse's and _env_value's errors name the type so)
 
 
 def chat_template_text(value: str) -> str:
@@ -279,6 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "start instead of computing it (default: on)")
     e.add_argument("--pin-system-prompt", action="append", metavar="FILE",
                    help="keep the KV cache of a system prompt (file content) forever; repeatable")
+    e.add_argument("--generation-config", metavar="auto|vllm|DIR",
+                   help="where requests' sampling defaults come from: the model's generation_config.json (auto), "
+                        "none (vllm: temperature 1, top_p 1, no top_k...), or the one in a directory DIR. Its "
+                        "temperature, top_p, top_k, min_p and repetition_penalty are the defaults of requests that "
+                        "leave them out; its max_new_tokens caps every request's max_tokens (vLLM's flag; "
+                        "default: auto)")
+    e.add_argument("--override-generation-config", type=json_object, metavar="JSON",
+                   help="generation config keys over those, e.g. '{\"temperature\": 0.6, \"top_p\": 0.95}' "
+                        "(vLLM's flag)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default=d.host, help="interface to bind (default: %(default)s)")
     s.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")

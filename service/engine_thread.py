@@ -109,6 +109,7 @@ class EngineReady:
     max_model_len: int
     stats: dict[str, Any]
     processor: InputProcessor  # for the tokenizer thread, which uses it alone from now on
+    sampling_defaults: dict[str, Any]  # the model's generation config's (`LLMEngine.sampling_defaults`)
 
 
 class Listener(Protocol):
@@ -171,7 +172,8 @@ class EngineWorker:
                 return self._post("on_fatal", f"cannot start the engine: {type(e).__name__}: {e}")
             self.engine = engine
             freeze_startup_heap()
-            self._post("on_ready", EngineReady(engine.model_name, engine.max_model_len, engine.stats(), processor))
+            self._post("on_ready", EngineReady(engine.model_name, engine.max_model_len, engine.stats(), processor,
+                                                   engine.sampling_defaults))
             while self._iteration(engine):
                 pass
             engine.close()  # told to stop: a tensor-parallel engine's other ranks stop with it

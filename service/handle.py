@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -82,10 +82,16 @@ class RequestError(Exception):
         self.param = param
 
 
-def sampling_params(**kwargs: Any) -> SamplingParams:
-    """`SamplingParams(**kwargs)`, its refusal as a `RequestError`: built once, on the loop, carried to the engine."""
+def sampling_params(defaults: Mapping[str, Any], **kwargs: Any) -> SamplingParams:
+    """`SamplingParams(**kwargs)` over `defaults` (the model's generation config's, `LLMEngine.sampling_defaults`), its
+    refusal as a `RequestError`: built once, on the loop, carried to the engine. `kwargs` are what the client set (a
+    None is unset); the defaults' `max_tokens` caps the request's, set or not (vLLM's `max_new_tokens`)."""
+    set_ = {k: v for k, v in kwargs.items() if v is not None}
+    merged = {**defaults, **set_}
+    if (cap := defaults.get("max_tokens")) is not None and "max_tokens" in set_:
+        merged["max_tokens"] = min(set_["max_tokens"], cap)
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams(**merged)
     except (ValueError, TypeError) as e:
         raise RequestError("invalid_message", f"invalid sampling parameters: {e}", getattr(e, "param", None)) from None
 

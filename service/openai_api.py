@@ -155,7 +155,7 @@ def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
                              "message is either continued or followed by a new turn", param="continue_final_message")
     if (so := kwargs.get("structured_output")) is not None and add_generation_prompt:
         kwargs["structured_output"] = openai_reasoning.after_reasoning(svc.config.reasoning_parser, so)
-    params = sampling_params(max_tokens=body.max_completion_tokens or body.max_tokens,
+    params = sampling_params(svc.bridge.sampling_defaults, max_tokens=body.max_completion_tokens or body.max_tokens,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, **kwargs)
     so = params.structured_output  # (one held from its first token: the template opened nothing for it)
     messages = chat_messages(body)
@@ -191,8 +191,8 @@ async def completions(request: Request) -> Response:
         if prompt_only and body.min_tokens:
             raise HTTPError(400, "min_tokens must be 0 with max_tokens 0 (the prompt alone, no token)",
                             param="min_tokens")
-        params = sampling_params(max_tokens=1 if prompt_only else body.max_tokens or 16, logprobs=body.logprobs,
-                                 **kwargs)
+        params = sampling_params(svc.bridge.sampling_defaults, max_tokens=1 if prompt_only else body.max_tokens or 16,
+                                 logprobs=body.logprobs, **kwargs)
         # an echo without logprobs of token ids, or of the tokens a truncation kept: their text, from the ids
         echo_ids = bool(body.echo) and "prompt_logprobs" not in kwargs
         reqs = [GenerateRequest(prompt=prompt, chat=False, params=params, api="completions", client=_peer(request),

@@ -18,6 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine import SamplingParams
 from service import json_guard
 from service.handle import RequestError, RequestHandle, TokenLogprobs
 from service.openai_api import _error, _from_request_error, _generate, _peer, _read_body, chat_request
@@ -228,9 +229,11 @@ class ResponsesRender:
 
     DONE = b""  # (no `[DONE]`: the last event is the response's own)
 
-    def __init__(self, chat: ChatRender, body: ResponsesRequest, model: str, done: Any) -> None:
+    def __init__(self, chat: ChatRender, body: ResponsesRequest, model: str, done: Any,
+                 params: SamplingParams) -> None:
         self.chat = chat
         self.body = body
+        self.params = params  # (the response shows the temperature and top_p it ran with: the model's defaults too)
         self.model = model
         self.done = done
         self.logprobs = chat.logprobs
@@ -257,11 +260,11 @@ class ResponsesRender:
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
                 "previous_response_id": b.previous_response_id, "reasoning": self._reasoning_param(),
-                "store": b.store is not False, "temperature": 1.0 if b.temperature is None else b.temperature,
+                "store": b.store is not False, "temperature": self.params.temperature,
                 "text": {"format": msgspec.to_builtins(text) if text is not None else {"type": "text"}},
                 "tool_choice": msgspec.to_builtins(b.tool_choice) if b.tool_choice is not None else "auto",
                 "tools": msgspec.to_builtins(b.tools or []), "top_logprobs": b.top_logprobs or 0,
-                "top_p": 1.0 if b.top_p is None else b.top_p, "truncation": "disabled",
+                "top_p": self.params.top_p, "truncation": "disabled",
                 "usage": _usage(h) if h is not None else None, "user": b.user, "metadata": b.metadata or {}}
 
     def _reasoning_param(self) -> dict[str, Any]:
@@ -451,7 +454,7 @@ async def create_response(request: Request) -> Response:
                 loop.call_soon_threadsafe(svc.responses.put, response["id"], msgspec.json.encode(response),
                                           [*turn, answer], body.previous_response_id)
 
-        render = ResponsesRender(chat_render, body, svc.model_name, done)
+        render = ResponsesRender(chat_render, body, svc.model_name, done, req.params)
         return await _generate(request, svc, [req], render, body)  # type: ignore[arg-type]
     except RequestError as e:
         return _error(_renamed(_from_request_error(e, "input")))

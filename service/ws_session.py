@@ -120,7 +120,7 @@ class Session:
             kwargs = msg.sampling_kwargs()
             if (so := kwargs.get("structured_output")) is not None:  # (a reasoning model's reasoning: free)
                 kwargs["structured_output"] = after_reasoning(self.svc.config.reasoning_parser, so)
-            params = sampling_params(max_tokens=msg.max_tokens, **kwargs)
+            params = sampling_params(self.svc.bridge.sampling_defaults, max_tokens=msg.max_tokens, **kwargs)
             request = GenerateRequest(prompt=msg.messages, chat=True, params=params, api="ws", client=self)
             # NOTE: the bridge never notifies inside `submit`, so the chat is registered below before its first mark
             handle = self.svc.bridge.submit(request, lambda: self._mark(msg.id))

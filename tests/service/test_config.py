@@ -96,6 +96,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_REASONING_PARSER": "qwen3",
         "SLUICE_SSL_KEYFILE": str(key_pem), "SLUICE_SSL_CERTFILE": str(cert_pem), "SLUICE_SSL_CA_CERTS": str(ca_pem),
         "SLUICE_SSL_CERT_REQS": "1",
+        "SLUICE_GENERATION_CONFIG": "vllm", "SLUICE_OVERRIDE_GENERATION_CONFIG": '{"temperature": 0.5}',
     }
     assert set(env) == {env_var(a) for a in flag_actions(build_parser())}  # this test covers every flag
     c = parse_config([], env)
@@ -104,7 +105,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         max_num_batched_tokens=512, max_model_len=1024, scheduling="static", prefix_caching=False,
         long_prefill_token_threshold=64, max_num_partial_prefills=2, itl_slo_ms=150.0, seed=7, pin_system_prompt=(str(prompt_a), str(prompt_b)),
         host="0.0.0.0", port=9000, ssl_keyfile=str(key_pem), ssl_certfile=str(cert_pem), ssl_ca_certs=str(ca_pem),
-        ssl_cert_reqs=1, served_model_name="m", enable_auto_tool_choice=True, tool_call_parser="hermes", responses_store_mb=0.5,
+        ssl_cert_reqs=1, served_model_name="m", generation_config="vllm", override_generation_config={"temperature": 0.5}, enable_auto_tool_choice=True, tool_call_parser="hermes", responses_store_mb=0.5,
         chat_template="{{ messages[0]['content'] }}", reasoning_parser="qwen3",
         api_key="k", allowed_origins=("http://a.example", "http://b.example"),
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,

@@ -18,7 +18,7 @@ from service.protocol import Chat, decode_client
 @pytest.mark.parametrize("sampling", [{"seed": 2**64}, {"seed": -(2**63) - 1}])
 def test_bad_seed_is_not_reported_as_prompt_too_long(sampling):
     with pytest.raises(RequestError) as e:
-        sampling_params(max_tokens=2, **sampling)
+        sampling_params({}, max_tokens=2, **sampling)
     assert e.value.code == "invalid_message" and e.value.param == "seed", (e.value.code, e.value.message)
 
 
