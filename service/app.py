@@ -73,6 +73,14 @@ async def http_error(request: Request, exc: Exception) -> Response:
     return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
 
 
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug (Starlette's ServerErrorMiddleware logs its traceback): 500 in OpenAI's error shape under /v1, so a
+    client's SDK reads it as one, plain text elsewhere."""
+    if request.url.path.startswith("/v1/"):
+        return error_response(500, "the server failed to answer this request (an internal error; it is logged)")
+    return PlainTextResponse("Internal Server Error", status_code=500)
+
+
 def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> Starlette:
     """The ASGI app. `engine_factory` runs on the engine thread (and must pickle for `--engine-process`); default:
     `LLMEngine(EngineConfig(...))`."""
@@ -108,6 +116,6 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = N
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                                         allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"]))
     app = Starlette(routes=routes, middleware=middleware, lifespan=svc.lifespan,
-                    exception_handlers={HTTPException: http_error})
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.service = svc
     return app

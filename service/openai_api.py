@@ -23,7 +23,7 @@ from service.openai_errors import HTTPError, error_response
 from service.handle import GenerateRequest, RequestError, RequestHandle, sampling_params
 from service.openai_schema import (
     ChatCompletionRequest, CommonRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest,
-    chat_messages, completion_prompts, decode_body, refuse_unsupported, template_kwargs,
+    _StreamOptions, chat_messages, completion_prompts, decode_body, refuse_unsupported, template_kwargs,
 )
 from service import openai_reasoning, openai_tools
 from service.openai_render import ChatRender, CompletionRender, Render
@@ -341,9 +341,11 @@ async def _generate(request: Request, svc: Service, reqs: list[GenerateRequest],
         def failed(hs: list[RequestHandle]) -> bool:  # (a failure ends the wait: the other choices go at once)
             return any(h.finished and _failure(h, body) is not None for h in hs)
 
-        # Streams wait for the first output, so admission errors still get a real HTTP status.
+        # Streams wait for every prompt's first output (its choices share its prompt and its fate), so admission
+        # errors, any prompt's, still get a real HTTP status.
+        firsts = handles[::n]
         ready = ((lambda hs: all(h.finished for h in hs) or failed(hs)) if not body.stream else
-                 (lambda hs: hs[0].started or hs[0].finished or failed(hs)))
+                 (lambda hs: all(h.started or h.finished for h in firsts) or failed(hs)))
         if not await _wait_for(request.receive, handles, event, ready):
             return Response(status_code=499)
         for h in handles:
@@ -358,7 +360,7 @@ async def _generate(request: Request, svc: Service, reqs: list[GenerateRequest],
             heavy = render.logprobs or any(h.prompt_scores is not None for h in handles)
             content = await svc.bridge.off_loop(client, _encoded, *args) if heavy else _encoded(*args)
             return Response(content, media_type="application/json")
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage = isinstance(body.stream_options, _StreamOptions) and body.stream_options.include_usage
         streaming = True
         return SSEResponse(_sse(renders, handles, n, event, include_usage, body, svc.bridge, client),
                            lambda: _abort(svc, handles))

@@ -36,6 +36,10 @@ class _StreamOptions(Struct):
     include_usage: bool = False
 
 
+class _ResponsesStreamOptions(Struct):
+    include_obfuscation: bool = True  # (the Responses API's; no obfuscation is sent either way)
+
+
 TokenId = Annotated[int, Meta(ge=0)]
 MAX_N = 128  # choices a request may ask for (`n`), as OpenAI's bound
 MAX_CHOICES = 1024  # choices of a completion request over its batch of prompts
@@ -218,7 +222,7 @@ class ResponsesRequest(CommonRequest):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Meta(max_length=16)] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     include: list[str] | None = None
-    stream_options: Any = None  # (the Responses API's: `include_obfuscation`; no obfuscation is sent)
+    stream_options: _ResponsesStreamOptions | None = None
     truncation: str | None = None
     user: str | None = None
     # refused unless neutral (service/openai_responses.py): each would change the answer or what is kept

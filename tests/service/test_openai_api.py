@@ -249,8 +249,12 @@ def test_a_batch_of_prompts(main_server: Server, client: openai.OpenAI, model: s
         for prompt, n in ((["ok", []], 1), (["ok", ["no"]], 1), (["ok"] * 9, 128)):  # empty; not ids; 1,152 choices
             r = http.post("/v1/completions", json={"model": model, "prompt": prompt, "n": n, "max_tokens": 1})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-        r = http.post("/v1/completions", json={"model": model, "prompt": ["ok", TOO_LONG], "max_tokens": 1})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        for stream in (False, True):  # a stream waits for every prompt's admission: any refusal is its status
+            for bad, param in ((TOO_LONG, "prompt"), ([99_999_999], "prompt")):
+                r = http.post("/v1/completions", json={"model": model, "prompt": ["ok", bad], "max_tokens": 1,
+                                                       "stream": stream})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (stream, r.text)
+            assert r.headers["content-type"] == "application/json"
 
 
 def test_a_prefilled_answer(main_server: Server, client: openai.OpenAI, model: str) -> None:
@@ -587,3 +591,52 @@ def test_tokenize_and_detokenize(main_server: Server, client: openai.OpenAI, mod
                 ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]")):
             r = http.post(route, json=body)
             assert r.status_code == status and r.json()["error"]["param"] == param, (route, body, r.text)
+
+
+def test_a_streamed_batch_waits_for_every_prompts_verdict(tiny_model_dir, monkeypatch) -> None:
+    """A streamed batch of prompts whose second is refused by the engine (token ids outside the vocabulary) after the
+    first has started (its tokenizing held until then: the order that used to start the stream): a 400, as unstreamed,
+    not a 200 whose stream ends in an error event."""
+    import threading
+
+    from service.bridge import EngineBridge
+
+    bad = [99_999_999]
+    first_started = threading.Event()
+    start, tokenize = EngineBridge._start, EngineBridge._tokenize
+
+    def _start(self, handle, *args):
+        start(self, handle, *args)
+        first_started.set()
+
+    def _tokenize(self, req):
+        if req.prompt == bad:
+            assert first_started.wait(60)
+        return tokenize(self, req)
+
+    monkeypatch.setattr(EngineBridge, "_start", _start)
+    monkeypatch.setattr(EngineBridge, "_tokenize", _tokenize)
+    config = ServerConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_model_len=256, engine_process=False)
+    with in_process(build_app(config), "batch-server") as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        for n in (1, 2):
+            first_started.clear()
+            r = http.post("/v1/completions", json={"model": tiny_model_dir.name, "prompt": ["ok", bad], "n": n,
+                                                   "max_tokens": 4, "stream": True})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_a_bug_is_a_500_in_openais_shape(tiny_model_dir, monkeypatch) -> None:
+    """An exception no route expected (a bug) answers 500 as an OpenAI error under /v1, which SDKs parse, not
+    Starlette's plain text."""
+    from starlette.testclient import TestClient
+
+    from service import openai_api
+
+    async def broken(request):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(openai_api, "models", broken)
+    app = build_app(ServerConfig(model=str(tiny_model_dir), engine_process=False))
+    r = TestClient(app, raise_server_exceptions=False).get("/v1/models")  # (no lifespan: no engine starts)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert "a bug" not in r.text  # (the traceback goes to the log, not to the client)

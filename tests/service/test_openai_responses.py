@@ -223,6 +223,11 @@ def test_whole_and_streamed_answers_make_the_same_items(client: openai.OpenAI, s
                                             **kw["extra_body"], "stream_options": {"include_obfuscation": False}})
         assert raw.status_code == 200, raw.text
         SDKResponse.model_validate(raw.json(), strict=True)
+        # streamed too (the Responses API's own stream_options, not chat's)
+        raw = http.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2, "stream": True,
+                                            "stream_options": {"include_obfuscation": False}})
+        assert raw.status_code == 200, raw.text
+        assert raw.text.split("\n\n")[-2].startswith("event: response.incomplete"), raw.text  # (cut at 2 tokens)
 
 
 def test_a_call_cut_off_still_lets_the_conversation_go_on(client: openai.OpenAI) -> None:
