@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.ws")
 
+HELLO_BYTES = 256  # a `hello` frame's characters besides its key's
+
 
 class Connection:
     def __init__(self, ws: WebSocket, svc: Service) -> None:
@@ -127,7 +129,13 @@ class Connection:
         message = receive.result()
         if message["type"] == "websocket.disconnect":
             return False
-        match decode_client(message.get("text") or b""):  # a binary frame is never a valid `hello`
+        text = message.get("text") or b""  # (a binary frame is never a valid `hello`)
+        # NOTE: a `hello` is small; a larger frame is refused unread: a client without the key gets no decoding of
+        # costly frames (which the loop budget charges only to authenticated connections), however often it comes back
+        if len(text) > (limit := HELLO_BYTES + 12 * len(key)):  # (a key's characters may each be an escaped pair)
+            return await self._refuse(f"the first frame must be a `hello` (at most {limit} characters with this "
+                                      "server's key); authenticate first")
+        match decode_client(text):
             case Hello(api_key=presented) if key_matches(presented, key):
                 pass
             case Hello():

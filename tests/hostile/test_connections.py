@@ -412,3 +412,21 @@ async def test_a_request_answered_before_its_body_is_whole_is_closed(bounded: Se
         sender.cancel()
         writer.close()
     assert data.startswith(b"HTTP/1.1 413"), data[:200]
+
+
+async def test_a_large_first_frame_is_refused_unread(guarded: Server) -> None:
+    """A client without the key cannot make the loop decode costly frames (the loop budget charges authenticated
+    connections only): a first frame longer than any `hello` is refused before it is decoded, a real `hello` padded
+    with whitespace as well, while one with the key, as long as a key allows, still gets in."""
+    costly = json.dumps({"type": "chat", "id": "x", "messages": [{"role": "user", "content": ""}] * 20_000})
+    padded = json.dumps({"type": "hello", "api_key": KEY}) + " " * 4096
+    for frame in (costly, padded):
+        ws = await connect(guarded.ws_url, max_size=None)
+        await ws.send(frame)
+        frames, code = await _closed_with(ws)
+        assert code == 1008 and frames[0]["code"] == "unauthorized" and "at most" in frames[0]["message"], frames
+    ws = await connect(guarded.ws_url)
+    await ws.send(json.dumps({"type": "hello", "api_key": KEY}, indent=8))  # (whitespace within the bound)
+    assert (await recv(ws))["type"] == "ready"
+    await ws.close()
+    await wait_websockets(guarded, 0)
