@@ -315,13 +315,17 @@ class LLMEngine:
                 raise InvalidSamplingParam(so.param, f"{so.param}: structured output cannot be combined with {name}")
         if self.runner.sampler.grammars is None:
             self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        req.grammar, req.grammar_since = self.runner.sampler.grammars.compile(so), time.monotonic()
+        grammars = self.runner.sampler.grammars
+        req.grammar = grammars.compile(so)
         try:
-            self.runner.sampler.grammars.start(req, req.grammar.result(timeout=SYNC_COMPILE_S))
+            grammars.start(req, req.grammar.result(timeout=SYNC_COMPILE_S))
         except TimeoutError:
             return False
         except ValueError as e:
             raise InvalidSamplingParam(so.param, f"{so.param}: {e}") from None
+        finally:
+            if req.grammar.done():
+                grammars.release(req.grammar)
         req.grammar = None
         return True
 
@@ -332,16 +336,19 @@ class LLMEngine:
         if not self._compiling:
             return
         now = time.monotonic()
+        grammars = self.runner.sampler.grammars
         for rid, req in list(self._compiling.items()):
             so = req.params.structured_output
-            if not req.grammar.done() and now - req.grammar_since < COMPILE_TIMEOUT_S:
+            started = getattr(req.grammar, "started", None)  # (set by the compile thread once it takes it)
+            if not req.grammar.done() and (started is None or now - started < COMPILE_TIMEOUT_S):
                 continue
             del self._compiling[rid]
+            grammars.release(req.grammar)
             try:
                 if not req.grammar.done():
                     raise ValueError(f"still compiling after {COMPILE_TIMEOUT_S:g} s: too complex to follow")
-                self.runner.sampler.grammars.start(req, req.grammar.result())
-                _replay_grammar(req, self.runner.sampler.grammars)
+                grammars.start(req, req.grammar.result())
+                _replay_grammar(req, grammars)
             except Exception as e:
                 log.info("request %s refused: %s: %s", rid, so.param, e)
                 self.requests.pop(rid, None)
@@ -367,6 +374,7 @@ class LLMEngine:
         if req is None:
             return
         if self._compiling.pop(request_id, None) is not None:  # (never scheduled)
+            self.runner.sampler.grammars.release(req.grammar)  # (its compile, if no one else waits for it, dropped)
             req.status = Status.FINISHED
             self._aborted.append(self._output(req, [], "", "abort"))
             return

@@ -183,8 +183,7 @@ class Request:
         self.ban = None  # the sampler's: (token ids, -inf) of min_tokens_banned on the device, made once
         self.allowed = None  # the sampler's: allowed_token_ids as a mask over the vocabulary on the device, made once
         self.matcher = None  # params.structured_output's grammar matcher (xgrammar), set by the engine
-        self.grammar = None  # its compiled grammar to come (a Future), while it compiles; when that began
-        self.grammar_since = 0.0
+        self.grammar = None  # its compiled grammar to come (a Future), while it compiles
         self.mask = None  # its next token's grammar mask, made ahead (a Future), until that token is committed
         self.mask_s = 0.0  # the seconds its last mask took
         self.mask_slow = False  # one took SLOW_MASK_S or more: the next are made off the step (engine/structured.py)

@@ -7,7 +7,8 @@ token to it (`LLMEngine._append_tokens`), and the request ends ("stop") once the
 its end (EOS). Grammars compile on a thread of their own (xgrammar lets go of the GIL meanwhile): a schema can take
 seconds or minutes, and the engine thread goes on stepping the other requests; one that compiles within
 `SYNC_COMPILE_S` is admitted at once (its errors raised by `add_request`), a slower one when it is ready, and one
-still compiling after `COMPILE_TIMEOUT_S` fails. Compiled grammars are kept per spec (the last `CACHE_SIZE`), with
+compiling for `COMPILE_TIMEOUT_S` (its time queued behind others' not counted) fails, and a queued compile no
+request waits for any more is dropped. Compiled grammars are kept per spec (the last `CACHE_SIZE`), with
 the mask of their start, made on that thread too.
 xgrammar is imported the first time a request asks for structured output.
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.engine")
 
 SYNC_COMPILE_S = 0.05  # what `add_request` waits for a compile before it lets the request wait for it instead
-COMPILE_TIMEOUT_S = 30.0  # a request whose grammar is still compiling then fails (the compile runs on, unused)
+COMPILE_TIMEOUT_S = 30.0  # a request whose grammar has compiled this long fails (the compile runs on, unused)
 CACHE_SIZE = 64
 CACHE_BYTES = 256 << 20  # xgrammar's own cache of compiled grammars
 SLOW_MASK_S = 0.002  # a request whose mask took this long has the next filled between its steps, off the step
@@ -124,6 +125,7 @@ class _Worker:
                 pass
         while True:
             fn, future = self._jobs.get()
+            future.started = time.monotonic()  # (a compile's timeout counts from here, not from its time queued)
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
@@ -157,6 +159,7 @@ class Grammars:
             self._keep[i // 32] &= 0x7FFFFFFF if i % 32 == 31 else ~(1 << (i % 32))
         self._bitmask: torch.Tensor | None = None
         self._compiled: OrderedDict[tuple[str, ...], Future] = OrderedDict()  # by (kind, spec, after, opens)
+        self._waiting: dict[Future, int] = {}  # compiles not done yet: how many requests wait for each (engine thread)
         # NOTE: compiles at the usual priority: a request waits COMPILE_TIMEOUT_S of wall time for its own (at the
         # lowest, beside a forward that keeps the cores busy, a 0.5 s compile took over 30 s and was refused)
         self._compiles = _Worker.named("sluice-grammar")
@@ -174,12 +177,26 @@ class Grammars:
         key = (so.kind, so.spec, so.after, so.opens)
         if (done := self._compiled.get(key)) is not None and not (done.done() and done.exception() is not None):
             self._compiled.move_to_end(key)
+            if not done.done():
+                self._waiting[done] += 1
             return done
         future: Future = Future()
         self._compiled[key] = future
         while len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
+        self._waiting[future] = 1
         return self._compiles.submit(lambda: self._first_mask(*self._compile(so)), future)
+
+    def release(self, future: Future) -> None:
+        """A request no longer waits for `future`, from `compile` (it has its grammar, ended, or gave up). A compile
+        no request waits for that has not begun is dropped: a client that cancels its structured requests leaves no
+        work queued before others' compiles. (One running goes on: xgrammar's compile cannot be stopped.)"""
+        left = self._waiting.pop(future, 0) - 1
+        if left > 0:
+            self._waiting[future] = left
+        elif future.cancel():  # (True only for a compile still queued)
+            for key in [k for k, f in self._compiled.items() if f is future]:
+                del self._compiled[key]
 
     def start(self, req: Request, compiled: Compiled) -> None:
         """Gives `req` a matcher at the grammar's start, and the first mask, made with the grammar."""

@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -147,7 +148,7 @@ def test_a_slow_compile_holds_back_only_its_request(tiny_model_dir, monkeypatch)
     assert "".join(o.text_delta for o in got["held"]) in CHOICES and got["held"][-1].finish_reason == "stop"
     bad = got["bad"][-1]
     assert bad.finished and bad.error_param == "guided_regex" and "cannot compile" in bad.error
-    assert len(seen) == 3 and not eng.requests
+    assert len(seen) == 2 and not eng.requests  # ("gone", aborted while its compile was queued: never compiled)
     eng.check_integrity()
     if sys.platform == "linux":  # compiles at the process's priority (a request waits wall time for its own)
         (thread,) = [t for t in threading.enumerate() if t.name == "sluice-grammar"]
@@ -155,15 +156,61 @@ def test_a_slow_compile_holds_back_only_its_request(tiny_model_dir, monkeypatch)
 
 
 def test_a_compile_past_its_time_is_refused(tiny_model_dir, monkeypatch):
+    """The time limit counts from the compile's start: a request whose compile waits behind another's is not refused
+    for the time it waited."""
     import engine.engine
 
     eng = _engine(tiny_model_dir)
-    release, _ = _held_compiles(eng, monkeypatch)
+    release, seen = _held_compiles(eng, monkeypatch)
     monkeypatch.setattr(engine.engine, "COMPILE_TIMEOUT_S", 0.0)
     eng.add_request("slow", PROMPTS[0], SamplingParams(structured_output=StructuredOutput("json_object")))
+    eng.add_request("queued", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.0,
+                                                         structured_output=StructuredOutput.choice(CHOICES)))
+    _wait_for(lambda: len(seen) == 1)  # ("slow"'s compile has begun, and holds the thread)
     (out,) = eng.step()
-    assert out.error_param == "response_format" and "still compiling" in out.error and not eng.has_unfinished()
+    assert out.request_id == "slow" and out.error_param == "response_format" and "still compiling" in out.error
+    monkeypatch.setattr(engine.engine, "COMPILE_TIMEOUT_S", 600.0)
     release.set()
+    got = {o.request_id: o for o in _run(eng)}
+    assert got["queued"].finish_reason == "stop" and not got["queued"].error
+
+
+def test_a_queued_compile_no_request_waits_for_is_dropped(tiny_model_dir, monkeypatch):
+    """A client that cancels its structured requests leaves no compile queued before others' (a hostile one could
+    stack minutes of them): a compile not begun is dropped with its last request; one still wanted is kept."""
+    eng = _engine(tiny_model_dir)
+    release, seen = _held_compiles(eng, monkeypatch)
+    held = SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutput.choice(CHOICES))
+    eng.add_request("first", PROMPTS[0], SamplingParams(structured_output=StructuredOutput("json_object")))
+    _wait_for(lambda: len(seen) == 1)  # (its compile runs, held: the next ones queue)
+    eng.add_request("a", PROMPTS[1], held)
+    eng.add_request("b", PROMPTS[2], held)  # (the same grammar: one compile for both)
+    eng.add_request("c", PROMPTS[3], SamplingParams(structured_output=StructuredOutput("regex", "[0-9]+")))
+    for rid in ("a", "c", "first"):
+        eng.abort(rid)
+    release.set()
+    got = {o.request_id: o for o in _run(eng)}
+    assert got["b"].finish_reason == "stop" and {got[r].finish_reason for r in "ac"} == {"abort"}
+    assert [so.kind for so in seen] == ["json_object", "choice"]  # ("c"'s regex never compiled)
+    assert not eng.runner.sampler.grammars._waiting  # (nothing counted for requests gone)
+    eng.add_request("again", PROMPTS[3], SamplingParams(max_tokens=4, temperature=0.0,
+                                                        structured_output=StructuredOutput("regex", "[0-9]+")))
+    assert _run(eng)[-1].finish_reason in ("stop", "length")  # (a dropped compile is not kept as a failure)
+    eng.check_integrity()
+
+
+def _wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def _run(eng: LLMEngine) -> list:
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    return outs
 
 
 def _masks_ahead(monkeypatch, hold: threading.Event | None = None) -> list[str]:
