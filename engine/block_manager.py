@@ -295,10 +295,12 @@ class BlockManager:
             req.block_table.append(self._fresh().id)
         if not req.admitted:  # NOTE: a preempted request is looked up again, but counted once
             req.admitted = True
-            req.num_cached_tokens = req.num_computed_tokens
-            self.prefix_cache_queries += req.num_prompt_tokens
-            self.prefix_cache_hits += req.num_cached_tokens
-            self.host_cache_hits += len(host) * self.block_size
+            # (a resumed request's hits may cover its checkpoint's output too: the prompt's are what it reports)
+            req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+            if not req.announced:  # (one resumed after its start was counted in the engine it came from)
+                self.prefix_cache_queries += req.num_prompt_tokens
+                self.prefix_cache_hits += req.num_cached_tokens
+                self.host_cache_hits += min(len(host) * self.block_size, req.num_prompt_tokens)
         return True
 
     def _fresh(self) -> Block:
@@ -420,7 +422,11 @@ class BlockManager:
         first. Nothing is held or pinned (pins are made again)."""
         assert not self.cached and self.num_free_blocks == self.num_blocks, "adopt_cache is for a new manager"
         held = [b for b in old.blocks if b.ref_count and b.hash is not None and old.cached.get(b.hash) is b]
+        # NOTE: not a block whose copy back from the host tier was decided but never made (the step failed between
+        # the two): its hash is cached, its KV is not there
+        unloaded = {bid for _, bid in old._loads}
         order = [b for q in (old.free_queue, old.protected) for b in q if b.hash is not None] + held
+        order = [b for b in order if b.id not in unloaded]
         for q in (self.free_queue, self.protected):
             for b in list(q):
                 q.remove(b)

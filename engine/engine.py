@@ -644,6 +644,7 @@ class LLMEngine:
         in halves, outputs discarded, down to those that fail alone, and drop only them (`StepError`). The rest
         are not committed and run again from the next step. If no request fails alone, all of them are dropped."""
         _drop_finished(batch, samples)  # in place: the step's loop then skips their rows of the result
+        admitted = batch  # (its admissions, whatever it runs again)
         keep = [i for i, r in enumerate(batch.reqs) if r.status is Status.RUNNING]
         if len(keep) < len(batch):  # some failed (`_emit_pending`) or were preempted (async scheduling) meanwhile
             if not keep:  # nothing of it is left to run
@@ -671,6 +672,10 @@ class LLMEngine:
             if r.draft and r.status is Status.RUNNING:
                 r.draft = []
                 self.block_manager.trim(r)
+        # NOTE: the others' prompts admitted in it go back to the waiting queue, to be admitted again: under
+        # prefill_first and static a prompt is computed only in the step that admits it, and a running one whose
+        # prompt is not computed would never be scheduled (it hung, holding its blocks)
+        self.scheduler.unadmit(admitted)
         # aborts taken for this step, and other requests' outputs made in it, are reported by the next one
         self._aborted = [o for o in outputs if o.request_id not in bad] + self._aborted
         raise StepError(bad, error, [o for o in outputs if o.request_id in bad]) from error
@@ -1041,9 +1046,12 @@ def _kept_rows(batch: Batch, launched: list[int], gone: set[int]) -> list[int]:
 
 
 def _subset(batch: Batch, rows: list[int]) -> Batch:
+    """The batch of `rows`' requests, with those of them it admitted (`Scheduler.unadmit` after a failure)."""
     part = Batch()
     for i in rows:
         part.add(batch.reqs[i], batch.num_new_tokens[i])
+    kept = set(part.reqs)
+    part.admitted = [r for r in batch.admitted if r in kept]
     return part
 
 

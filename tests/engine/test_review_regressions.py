@@ -104,3 +104,92 @@ def test_prefill_only_steps_do_not_race_on_pinned_buffers(tiny_model_dir):
         return eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
 
     assert run(slow=True) == run(slow=False)
+
+
+def _eng(tiny_model_dir, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(**{"model": str(tiny_model_dir), "dtype": "float32", "num_kv_blocks": 64,
+                                     "block_size": 4, "max_num_batched_tokens": 64, "prefix_store": False, **kw}))
+
+
+# A request admitted in a step that failed for another (StepError) stayed running with its prompt not computed:
+# prefill_first and static compute a prompt only in the step that admits it, so it was never scheduled again (hung,
+# holding its blocks). Under async scheduling the failed step's batch was cut down before recovery, losing them too.
+@pytest.mark.parametrize("policy", ["prefill_first", "static", "mixed"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_admitted_in_a_failed_step_is_admitted_again(tiny_model_dir, policy, async_scheduling):
+    eng = _eng(tiny_model_dir, scheduling=policy, async_scheduling=async_scheduling)
+    run, launch = eng.runner.run, eng.runner.launch
+
+    def poisoned(batch) -> bool:
+        return any(r.request_id == "bad" for r in batch.reqs)
+
+    def run_or_fail(batch, samples):
+        if poisoned(batch):
+            raise RuntimeError("bad poisons the forward")
+        return run(batch, samples)
+
+    def launch_or_fail(batch, samples, *args):
+        forward = launch(batch, samples, *args)
+        if not poisoned(batch):
+            return forward
+
+        def fails():
+            raise RuntimeError("bad poisons the forward")
+        return fails
+
+    eng.runner.run, eng.runner.launch = run_or_fail, launch_or_fail
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.add_request("good", list(range(10, 20)), p)
+    eng.add_request("bad", list(range(30, 40)), p)
+    reasons, failed = _drain(eng)
+    assert failed == ["bad"] and reasons == {"good": "length"}, (reasons, failed)
+    assert eng.stats()["num_free_kv_blocks"] == eng.stats()["num_kv_blocks"]
+    eng.check_integrity()
+
+
+# A host-tier hit is cached on the device at allocation, its copy back made after scheduling: a failure between the
+# two (outside the model), then `rebuilt(keep_cache=True)`, adopted the block as cached with its KV never loaded.
+def test_a_rebuilt_engine_does_not_adopt_blocks_never_loaded_from_the_host_tier(tiny_model_dir):
+    cfg = dict(num_kv_blocks=16, kv_offload_gb=0.001, max_model_len=48)
+    prompt, greedy = list(range(100, 113)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    reference = _eng(tiny_model_dir, **cfg).generate([prompt], greedy)[0].token_ids
+    eng = _eng(tiny_model_dir, **cfg)
+    eng.generate([prompt], greedy)
+    for i in range(4):  # the prompt's blocks pushed out of the pool, into the host tier
+        eng.generate([list(range(200 + 40 * i, 240 + 40 * i))], SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.add_request("B", prompt, greedy)
+    eng.add_request("C", list(range(600, 610)), greedy)
+    may_admit = eng.scheduler._may_admit
+
+    def fails_for_c(req):
+        if req.request_id == "C":
+            raise RuntimeError("a scheduler failure (outside the model)")
+        return may_admit(req)
+
+    eng.scheduler._may_admit = fails_for_c
+    with pytest.raises(RuntimeError, match="scheduler failure"):
+        eng.step()
+    assert eng.block_manager._loads  # (B's hits from the host: decided, their copies not made)
+    new = eng.rebuilt(keep_cache=True)
+    assert new.generate([prompt], greedy)[0].token_ids == reference
+    new.check_integrity()
+
+
+# A resumed request's prefix hit covered its checkpoint's output tokens: num_cached_tokens over its prompt's
+# tokens, and prefix_cache_hits over prefix_cache_queries (a hit rate above 1 in /metrics).
+def test_a_resumed_requests_cached_tokens_are_its_prompts(tiny_model_dir):
+    from engine import Checkpoint
+
+    eng = _eng(tiny_model_dir)
+    prompt, p = list(range(10, 18)), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    out = eng.generate([prompt], p)[0].token_ids
+    before = eng.stats()
+    eng.add_request("b", prompt, p, resume=Checkpoint(out[:20], 0, None))
+    first = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            first = first or o
+    assert first.num_prompt_tokens == 8 and first.num_cached_tokens <= 8
+    s = eng.stats()
+    assert s["prefix_cache_hits"] <= s["prefix_cache_queries"]
+    assert s["prefix_cache_queries"] == before["prefix_cache_queries"]  # (counted where it started)
