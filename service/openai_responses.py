@@ -26,7 +26,7 @@ from service.openai_errors import HTTPError, error_response
 from service.openai_render import ChatRender, Render
 from service.response_store import TooLong
 from service.openai_schema import (
-    ChatCompletionRequest, CommonRequest, ResponseInputItem, ResponsesRequest, _Message,
+    ChatCompletionRequest, CommonRequest, ResponseInputItem, ResponsesRequest, _Message, content_text,
 )
 from service.openai_tools import FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, _FunctionName
 
@@ -84,17 +84,6 @@ def _refuse(body: ResponsesRequest) -> None:
                         code="unsupported_parameter")
 
 
-def _text(content: str | list[Any] | None, at: str) -> str:
-    """A message's or a function output's text: a string, or its text parts joined."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    for j, part in enumerate(content):
-        if part.type not in ("input_text", "output_text", "text"):
-            raise HTTPError(400, f"{at}[{j}].type {part.type!r}: only text is supported", param=f"{at}[{j}].type",
-                            code="unsupported_parameter")
-    return "".join(part.text or "" for part in content)
-
-
 def _messages(items: str | list[ResponseInputItem]) -> list[_Message]:
     """`input` as chat messages: a function call joins the assistant message before it (one turn: its text and its
     calls), and its output is a tool message."""
@@ -109,7 +98,7 @@ def _messages(items: str | list[ResponseInputItem]) -> list[_Message]:
                                 param=f"{at}.role")
             if item.content is None:
                 raise HTTPError(400, f"{at}: a message needs its content", param=f"{at}.content")
-            out.append(_Message(item.role, _text(item.content, f"{at}.content")))
+            out.append(_Message(item.role, content_text(item.content, f"{at}.content")))
         elif item.type == "function_call":
             if not (item.call_id and item.name and item.arguments is not None):
                 raise HTTPError(400, f"{at}: a function_call needs its call_id, name and arguments", param=at)
@@ -126,7 +115,7 @@ def _messages(items: str | list[ResponseInputItem]) -> list[_Message]:
             if not item.call_id or item.output is None:
                 raise HTTPError(400, f"{at}: a function_call_output needs the call_id of its call and its output",
                                 param=f"{at}.call_id" if not item.call_id else f"{at}.output")
-            out.append(_Message("tool", _text(item.output, f"{at}.output"), tool_call_id=item.call_id))
+            out.append(_Message("tool", content_text(item.output, f"{at}.output"), tool_call_id=item.call_id))
         else:
             raise HTTPError(400, f"{at}.type {item.type!r} is not supported: give messages, function_call and "
                                  "function_call_output items", param=f"{at}.type", code="unsupported_parameter")

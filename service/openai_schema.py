@@ -20,8 +20,25 @@ from service.protocol import (
 
 
 class _ContentPart(Struct):
+    """A part of a message's content (chat's and the Responses API's): only text is taken (`TEXT_PARTS`)."""
     type: str
     text: str | None = None
+    refusal: str | None = None  # (a `refusal` part's text: an assistant's earlier refusal, replayed)
+
+
+TEXT_PARTS = ("text", "input_text", "output_text", "refusal")  # (vLLM's text parts)
+
+
+def content_text(content: str | list[_ContentPart] | None, at: str) -> str:
+    """A message's content as its template takes it: a string, or its text parts joined by newlines (as vLLM joins
+    them); another part is a 400 naming it (`at`: the content's path)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type not in TEXT_PARTS:
+            raise HTTPError(400, f"{at}[{j}].type {part.type!r}: only text parts are supported",
+                            param=f"{at}[{j}].type", code="unsupported_parameter")
+    return "\n".join((part.refusal if part.type == "refusal" else part.text) or "" for part in content)
 
 
 class _Message(Struct):
@@ -158,21 +175,16 @@ class CompletionRequest(CommonRequest):
     best_of: int | None = None
 
 
-class _ResponsePart(Struct):
-    type: str  # input_text, output_text (what a message says); anything else is refused
-    text: str | None = None
-
-
 class ResponseInputItem(Struct):
     """One item of a Responses API `input`: a message (`type` "message", the default), a `function_call` the model made
     or a `function_call_output` (its result)."""
     type: str = "message"
     role: str | None = None
-    content: str | list[_ResponsePart] | None = None
+    content: str | list[_ContentPart] | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | list[_ResponsePart] | None = None
+    output: str | list[_ContentPart] | None = None
     id: str | None = None
     status: str | None = None
 
@@ -325,13 +337,7 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
         if m.tool_calls and role != "assistant":
             raise HTTPError(400, f"messages[{i}]: only an assistant's message has tool_calls",
                             param=f"messages[{i}].tool_calls")
-        if isinstance(m.content, list):
-            if any(p.type != "text" for p in m.content):
-                raise HTTPError(400, f"messages[{i}].content: only text parts are supported",
-                                param=f"messages[{i}].content", code="unsupported_parameter")
-            content = "".join(p.text or "" for p in m.content)
-        else:
-            content = m.content or ""
+        content = content_text(m.content, f"messages[{i}].content")
         message: dict[str, Any] = {"role": role, "content": content}
         if m.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {

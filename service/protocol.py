@@ -32,7 +32,7 @@ MaxTokens = Annotated[int, Meta(ge=1)]
 MinTokens = Annotated[int, Meta(ge=0)]  # (at most max_tokens: SamplingParams checks the two together)
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+TopK = Annotated[int, Meta(ge=-1, le=2**31 - 1)]  # -1 or 0: off (vLLM takes both)
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # presence and frequency
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]

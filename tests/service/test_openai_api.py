@@ -640,3 +640,24 @@ def test_a_bug_is_a_500_in_openais_shape(tiny_model_dir, monkeypatch) -> None:
     r = TestClient(app, raise_server_exceptions=False).get("/v1/models")  # (no lifespan: no engine starts)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
     assert "a bug" not in r.text  # (the traceback goes to the log, not to the client)
+
+
+def test_content_parts_are_text_joined_by_newlines(client: openai.OpenAI, model: str) -> None:
+    """A message's content may be a list of text parts (text, input_text, output_text, and an assistant's refusal,
+    replayed): joined by newlines, as vLLM joins them; another part is a 400 naming it."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a river."},
+                                          {"type": "input_text", "text": "Only one."}]},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+             {"role": "user", "content": "Please?"}]
+    plain = [{"role": "user", "content": "Name a river.\nOnly one."}, {"role": "assistant", "content": "I cannot."},
+             {"role": "user", "content": "Please?"}]
+    params = dict(model=model, max_tokens=8, temperature=0.0)
+    a = client.chat.completions.create(messages=parts, **params)
+    b = client.chat.completions.create(messages=plain, **params)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}],
+            **params)
+    assert e.value.param == "messages[0].content[1].type" and e.value.code == "unsupported_parameter"

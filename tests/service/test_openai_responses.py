@@ -59,11 +59,13 @@ def test_a_response_is_the_chat_turn_its_input_makes(client: openai.OpenAI) -> N
     assert r.output_text == chat.choices[0].message.content
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
     assert r.usage.total_tokens == r.usage.input_tokens + 12 and r.instructions == "Be brief."
-    # input as items: messages with text parts say the same
+    # input as items: messages with text parts say the same, the parts joined by newlines (as vLLM joins them)
     items = client.responses.create(model=MODEL, instructions="Be brief.", max_output_tokens=12, temperature=0, input=[
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me about "},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me about"},
                                                         {"type": "input_text", "text": "rivers."}]}])
-    assert items.output_text == r.output_text
+    lines = client.responses.create(model=MODEL, instructions="Be brief.", max_output_tokens=12, temperature=0,
+                                    input="Tell me about\nrivers.")
+    assert items.output_text == lines.output_text
 
 
 def test_a_stream_sends_the_events_the_client_puts_together(client: openai.OpenAI) -> None:

@@ -28,6 +28,10 @@ def test_each_client_message_decodes() -> None:
     assert isinstance(chat, Chat) and chat.id == "c1" and chat.max_tokens == 256
     assert chat.message_dicts()[1] == {"role": "user", "content": "Hello"}
     assert chat.sampling_kwargs()["stop"] == ["\n\n"] and "max_tokens" not in chat.sampling_kwargs()
+    off = decode_client('{"type": "chat", "id": "x", "messages": [{"role": "user", "content": ""}], "top_k": -1}')
+    assert isinstance(off, Chat) and off.top_k == -1  # (vLLM's "off", as 0; SamplingParams makes it 0)
+    assert isinstance(decode_client('{"type": "chat", "id": "x", "messages": [{"role": "user", "content": ""}], '
+                                    '"top_k": -2}'), Error)
     minimal = decode_client('{"type": "chat", "id": "x", "messages": [{"role": "user", "content": ""}]}')
     assert isinstance(minimal, Chat) and minimal.sampling_kwargs() == {} and minimal.max_tokens is None
     assert decode_client('{"type": "cancel", "id": "c1"}') == Cancel(id="c1")
