@@ -360,9 +360,9 @@ async def _generate(request: Request, svc: Service, reqs: list[GenerateRequest],
             heavy = render.logprobs or any(h.prompt_scores is not None for h in handles)
             content = await svc.bridge.off_loop(client, _encoded, *args) if heavy else _encoded(*args)
             return Response(content, media_type="application/json")
-        include_usage = isinstance(body.stream_options, _StreamOptions) and body.stream_options.include_usage
+        options = body.stream_options if isinstance(body.stream_options, _StreamOptions) else _StreamOptions()
         streaming = True
-        return SSEResponse(_sse(renders, handles, n, event, include_usage, body, svc.bridge, client),
+        return SSEResponse(_sse(renders, handles, n, event, options, body, svc.bridge, client),
                            lambda: _abort(svc, handles))
     finally:
         # NOTE: whatever ended the wait -- a disconnect (even in the tick the first output came), an error,
@@ -386,20 +386,34 @@ def _encoded(bridge: EngineBridge, render: Render, renders: list[Render], handle
     return msgspec.json.encode(render.response(renders, handles, n))
 
 
-def _prompt_events(bridge: EngineBridge, h: RequestHandle, r: Render, include_usage: bool) -> list[bytes]:
+def _prompt_events(bridge: EngineBridge, h: RequestHandle, r: Render, include_usage: bool,
+                   continuous: bool) -> list[bytes]:
     """A stream's chunks of its prompt (completions' echo with logprobs), once they came: on the tokenizer thread."""
     bridge.name_prompt_logprobs(h)
-    return [r.event(chunk) for chunk in r.stream_prompt(include_usage)]
+    chunks = r.stream_prompt(include_usage)
+    return _usage_events(r, h, chunks) if continuous else [r.event(chunk) for chunk in chunks]
+
+
+def _usage_events(r: Render, h: RequestHandle, chunks: list[dict[str, Any]]) -> list[bytes]:
+    """`chunks` as events, each with its choice's usage so far (vLLM's `continuous_usage_stats`)."""
+    prompt, completion = h.prompt_tokens or 0, h.completion_tokens
+    so_far = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return [r.event({**chunk, "usage": so_far}) for chunk in chunks]
 
 
 async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, event: asyncio.Event,
-               include_usage: bool, body: CommonRequest, bridge: EngineBridge, client: str) -> AsyncIterator[bytes]:
+               options: _StreamOptions, body: CommonRequest, bridge: EngineBridge,
+               client: str) -> AsyncIterator[bytes]:
     """Each choice's chunks as its output comes (a chunk names its choice's `index`), its finish chunk when it
-    ends; the usage of all after the last. A choice that fails ends the stream with an error event, and the others
+    ends; the usage of all after the last (`include_usage`), and with vLLM's `continuous_usage_stats` each chunk's
+    choice's usage so far in the chunk. A choice that fails ends the stream with an error event, and the others
     are aborted. A prompt's logprobs (completions' echo) are named and rendered off the loop, as `_encoded`."""
+    include_usage = options.include_usage
+    continuous = include_usage and options.continuous_usage_stats
+    ev = _usage_events if continuous else lambda r, h, chunks: [r.event(chunk) for chunk in chunks]
     for r, h in zip(renders, handles):
-        for chunk in r.stream_start(h, include_usage):
-            yield r.event(chunk)
+        for e in ev(r, h, r.stream_start(h, include_usage)):
+            yield e
     running = dict(zip(handles, renders))
     try:
         while running:
@@ -408,11 +422,11 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, even
                 done = h.finished  # (before taking: what comes while the chunk is written is taken next pass)
                 text, _, lps = h.take()
                 if h.prompt_scores is not None and h.prompt_logprobs is None and h.error is None:
-                    for e in await bridge.off_loop(client, _prompt_events, bridge, h, r, include_usage):
+                    for e in await bridge.off_loop(client, _prompt_events, bridge, h, r, include_usage, continuous):
                         yield e
                 if text or lps:
-                    for chunk in r.stream_delta(text, lps, include_usage):
-                        yield r.event(chunk)
+                    for e in ev(r, h, r.stream_delta(text, lps, include_usage)):
+                        yield e
                 if not done:
                     continue
                 del running[h]
@@ -420,8 +434,8 @@ async def _sse(renders: list[Render], handles: list[RequestHandle], n: int, even
                     for failed in r.stream_failed(h, e):
                         yield failed
                     return
-                for chunk in r.stream_end(h, include_usage):
-                    yield r.event(chunk)
+                for e in ev(r, h, r.stream_end(h, include_usage)):
+                    yield e
             if running:
                 await event.wait()
     finally:

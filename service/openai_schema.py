@@ -51,6 +51,7 @@ class _Message(Struct):
 
 class _StreamOptions(Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's) with include_usage: every chunk has its choice's usage so far
 
 
 class _ResponsesStreamOptions(Struct):

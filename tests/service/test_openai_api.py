@@ -661,3 +661,23 @@ def test_content_parts_are_text_joined_by_newlines(client: openai.OpenAI, model:
             {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}],
             **params)
     assert e.value.param == "messages[0].content[1].type" and e.value.code == "unsupported_parameter"
+
+
+def test_continuous_usage_stats(client: openai.OpenAI, model: str) -> None:
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): each chunk carries its choice's usage so
+    far; the last, choiceless chunk the whole response's, as without it."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for create, kw in ((client.chat.completions.create, {"messages": MESSAGES}), (client.completions.create,
+                                                                                   {"prompt": "Rivers"})):
+        chunks = list(create(model=model, max_tokens=6, temperature=0.0, stream=True, stream_options=options,
+                             extra_body={"ignore_eos": True}, **kw))
+        *running, last = chunks
+        assert running and all(c.usage is not None for c in running)
+        counts = [c.usage.completion_tokens for c in running]
+        assert counts == sorted(counts) and counts[-1] == last.usage.completion_tokens == 6
+        assert all(c.usage.prompt_tokens == last.usage.prompt_tokens and
+                   c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in running)
+        # without include_usage it asks for nothing (vLLM's rule)
+        plain = list(create(model=model, max_tokens=2, temperature=0.0, stream=True,
+                            stream_options={"continuous_usage_stats": True}, **kw))
+        assert all(c.usage is None for c in plain)
