@@ -137,6 +137,10 @@ class RequestHandle:
         self._text: list[str] = []
         self._tokens = 0
         self._logprobs: list[TokenLogprobs] = []
+        self._watch: str | None = None  # (`watch`)
+        self._tail = ""
+        self.watched: int | None = None  # the tokens up to the end of the watched text, once it came
+        self.reasoning_tokens: int | None = None  # the answer's reasoning's, where a reasoning parser split it
         self.prompt_scores: PromptScores | None = None  # with the first token, if asked for
         self.prompt_logprobs: list[PromptLogprobs] | None = None  # those named, once a response needs them
 
@@ -159,8 +163,22 @@ class RequestHandle:
         self._tokens += num_tokens
         if text:
             self._text.append(text)
+            if self._watch is not None:
+                self._find(text)
         if logprobs:
             self._logprobs.extend(logprobs)
+
+    def watch(self, text: str) -> None:
+        """Count the answer's tokens up to the end of `text`'s first appearance in it (`watched`): a reasoning's
+        closing tag, where its reasoning tokens end. Before anything is pushed."""
+        self._watch, self._tail = text, ""
+
+    def _find(self, text: str) -> None:
+        window = self._tail + text
+        if self._watch in window:  # (the tokens through the push whose text completes it)
+            self.watched, self._watch = self.completion_tokens, None
+        else:  # (what could be the start of it: it may end in the next push)
+            self._tail = window[1 - len(self._watch):] if len(self._watch) > 1 else ""
 
     def finish(self, reason: str | None, error: RequestError | None) -> None:
         assert not self.finished, f"request {self.request_id} finished twice"

@@ -334,7 +334,10 @@ async def _generate(request: Request, svc: Service, reqs: list[GenerateRequest],
     try:
         for req in reqs:  # (each prompt tokenized once for its choices)
             try:
-                handles += svc.bridge.submit_choices(req, event.set, [_choice_params(req.params, i) for i in range(n)])
+                choices = svc.bridge.submit_choices(req, event.set, [_choice_params(req.params, i) for i in range(n)])
+                for h in choices:  # (before any output: the bridge pushes none inside `submit`)
+                    render.watch(h)
+                handles += choices
             except RequestError as e:
                 raise _from_request_error(e, _prompt_param(body)) from None
 

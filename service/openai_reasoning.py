@@ -51,9 +51,10 @@ class ThinkStream:
         self.head = ""  # then the opening's first characters, as many as could begin <think>
         self.buf = ""  # text not yet given out: the start of a closing tag, once the opening is known
         self.fed = 0  # characters fed
+        self.closed = False  # the answer (not the prefix) closed a reasoning
         if prefix:  # (its characters then sit before 0: what of them is still held back is not given out again)
             self.feed(prefix)
-            self.fed = 0
+            self.fed, self.closed = 0, False
 
     def feed(self, text: str) -> list[Part]:
         return _answers(self._feed(text))
@@ -62,6 +63,15 @@ class ThinkStream:
         """What was held back when the answer ended: an opening that never became a tag is the answer's (where it
         starts), as is an unfinished closing tag."""
         return _answers(self._end())
+
+    def reasoning_tokens(self, watched: int | None, tokens: int) -> int:
+        """How many of the answer's `tokens` are its reasoning's, once it ended: those up to the end of its closing tag
+        (`watched`: the tokens up to the first `</think>` in the answer's text), all if it is reasoning to its end,
+        none if it has none."""
+        if self.closed:
+            return tokens if watched is None else watched
+        thinking = self.state == "reasoning" or (self.state == "start" and self.first == "reasoning")
+        return tokens if thinking and self.fed > 0 else 0
 
     def _feed(self, text: str) -> list[Part]:
         self.fed += len(text)
@@ -91,6 +101,7 @@ class ThinkStream:
                 return out
             if i:
                 out.append(("reasoning", self.buf[:i], self.fed - len(self.buf) + i))
+            self.closed = self.fed - len(self.buf) + i + len(END) > 0
             self.buf, self.state = self.buf[i + len(END):], "content"
         if self.buf:
             out.append(("content", self.buf, self.fed))
@@ -112,12 +123,13 @@ def _answers(parts: list[Part]) -> list[Part]:
     return [(kind, text[max(0, len(text) - end):], end) for kind, text, end in parts if end > 0]
 
 
-def split(parser: str, text: str, **kwargs: Any) -> tuple[str | None, str]:
-    """A whole answer's reasoning (None if it has none) and content (`kwargs`: ThinkStream's)."""
+def split(parser: str, text: str, **kwargs: Any) -> tuple[str | None, str, ThinkStream]:
+    """A whole answer's reasoning (None if it has none) and content, and the stream that split it (`kwargs`:
+    ThinkStream's)."""
     stream = ThinkStream(parser, **kwargs)
     parts = stream.feed(text) + stream.end()
     reasoning = "".join(t for kind, t, _ in parts if kind == "reasoning")
-    return reasoning or None, "".join(t for kind, t, _ in parts if kind == "content")
+    return reasoning or None, "".join(t for kind, t, _ in parts if kind == "content"), stream
 
 
 def after_reasoning(parser: str | None, so: StructuredOutput) -> StructuredOutput:

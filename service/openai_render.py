@@ -24,8 +24,11 @@ def usage(handles: list[RequestHandle], n: int = 1) -> dict[str, Any]:
     prefix-cache hits), as OpenAI and vLLM count it; the completions add up."""
     firsts = handles[::n]
     prompt, completion = sum(h.prompt_tokens or 0 for h in firsts), sum(h.completion_tokens for h in handles)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(h.cached_tokens for h in firsts)}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(h.cached_tokens for h in firsts)}}
+    if any(h.reasoning_tokens is not None for h in handles):  # (a reasoning parser split the answers)
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(h.reasoning_tokens or 0 for h in handles)}
+    return out
 
 
 def _finish_reason(h: RequestHandle) -> str:
@@ -50,6 +53,7 @@ class Render(Protocol):
     def usage_chunk(self, handles: list[RequestHandle], n: int) -> dict[str, Any]: ...
     def event(self, chunk: dict[str, Any]) -> bytes: ...
     def stream_failed(self, h: RequestHandle, e: HTTPError) -> list[bytes]: ...
+    def watch(self, h: RequestHandle) -> None: ...
     DONE: bytes
 
 
@@ -94,6 +98,9 @@ class _Base:
 
     def stream_prompt(self, include_usage: bool) -> list[dict[str, Any]]:
         return []  # (a chat streams no prompt logprobs)
+
+    def watch(self, h: RequestHandle) -> None:
+        """Before its first output: what `h` is to count in its text (a reasoning's end: ChatRender's)."""
 
     def event(self, chunk: dict[str, Any]) -> bytes:
         """A chunk as a server-sent event."""
@@ -155,6 +162,10 @@ class ChatRender(_Base):
         self.given: tuple[openai_reasoning.Kind, int] | None = None  # the last part given out: its kind, its end
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
+    def watch(self, h: RequestHandle) -> None:
+        if self.reasoning is not None:  # (its reasoning tokens: those up to the tag that ends it)
+            h.watch(openai_reasoning.END)
+
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
         body = super().response(renders, handles, n)
         if self.prompt_logprobs is not None:  # (vLLM's: the response's, its prompt's)
@@ -173,8 +184,9 @@ class ChatRender(_Base):
         message: dict[str, Any] = {"role": "assistant", "content": None}
         echo = "" if self.echo_split else self.echo
         if self.reasoning is not None:
-            message["reasoning_content"], text = openai_reasoning.split(
+            message["reasoning_content"], text, think = openai_reasoning.split(
                 self.reasoning, self.echo + text if self.echo_split else text, **self.think_kwargs)
+            h.reasoning_tokens = think.reasoning_tokens(h.watched, h.completion_tokens)
         message["content"] = echo + text
         reason = _finish_reason(h)
         if self.tools is not None:
@@ -241,7 +253,10 @@ class ChatRender(_Base):
 
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         reason = _finish_reason(h)
-        chunks = self._parts(self.think.end(), include_usage) if self.think is not None else []
+        chunks = []
+        if self.think is not None:
+            chunks = self._parts(self.think.end(), include_usage)
+            h.reasoning_tokens = self.think.reasoning_tokens(h.watched, h.completion_tokens)
         self.held += [lp for _, lp in self.placed]  # (tokens past the text, if their bytes make more characters)
         self.placed.clear()
         if self.stream is not None:

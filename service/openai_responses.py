@@ -183,7 +183,7 @@ def as_chat(body: ResponsesRequest, history: list[_Message],
 def _usage(h: RequestHandle) -> dict[str, Any]:
     prompt, completion = h.prompt_tokens or 0, h.completion_tokens
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": h.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": h.reasoning_tokens or 0},
             "total_tokens": prompt + completion}
 
 
@@ -304,6 +304,9 @@ class ResponsesRender:
     def stream_end(self, h: RequestHandle, include_usage: bool) -> list[dict[str, Any]]:
         events, body = self._end(h)
         return events + [self._event(f"response.{body['status']}", response=body)]
+
+    def watch(self, h: RequestHandle) -> None:
+        self.chat.watch(h)
 
     def stream_failed(self, h: RequestHandle, e: HTTPError) -> list[bytes]:
         """The open item closed as incomplete, then `response.failed` with the error (a code of the Responses API's:

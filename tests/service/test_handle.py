@@ -70,3 +70,20 @@ def test_prompt_scores_travel_flat_and_name_every_token(tiny_model_dir) -> None:
         (lp.logprob, lp.rank, [t for t, _ in lp.top], [v for _, v in lp.top]) for lp in lps[1:]]
     assert [n[3] for n in PromptScores.of(ids, None).named(InputProcessor(tiny_model_dir, 1024, 512).token_text)] == \
         [None] * len(ids)
+
+
+@pytest.mark.parametrize("pieces, watched", [
+    (["<think>I", " add", " two", "</", "think", ">It"], 6),  # (the push that completes it counts)
+    (list("ab</think>c"), 10),  # one character a push
+    (["x</think>"], 1),
+    (["</thi", "nk>", "</think>"], 2),  # (its first appearance)
+    (["<think>", "no end"], None),
+])
+def test_a_watched_text_counts_the_tokens_up_to_its_end(pieces, watched) -> None:
+    """`RequestHandle.watch`: a reasoning's reasoning tokens are those up to the end of its closing tag, however the
+    pushes split it."""
+    h = RequestHandle("r", "chat", lambda: None)
+    h.watch("</think>")
+    for piece in pieces:
+        h.push(piece, 1, None)
+    assert h.watched == watched

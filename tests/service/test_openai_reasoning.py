@@ -34,7 +34,7 @@ from tests.service.test_openai_tools import MESSAGES, TOOLS
     ("qwen3", "", None, ""),
 ])
 def test_split_in_any_pieces(parser: str, text: str, reasoning: str | None, content: str) -> None:
-    assert split(parser, text) == (reasoning, content)
+    assert split(parser, text)[:2] == (reasoning, content)
     for size in (1, 2, 5):
         stream = ThinkStream(parser)
         parts = [p for i in range(0, len(text), size) for p in stream.feed(text[i:i + size])] + stream.end()
@@ -73,7 +73,7 @@ def test_where_each_part_ends() -> None:
 ])
 def test_answers_the_template_did_not_open(kwargs: dict, text: str, reasoning: str | None, content: str) -> None:
     opened = kwargs.pop("opened", "prefix" not in kwargs)
-    assert split("deepseek_r1", text, opened=opened, **kwargs) == (reasoning, content)
+    assert split("deepseek_r1", text, opened=opened, **kwargs)[:2] == (reasoning, content)
 
 
 def _lp(i: int, raw: bytes) -> tuple:
@@ -136,6 +136,11 @@ def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
         reasoning = m.model_extra["reasoning_content"]
         assert reasoning.startswith("I add") and reasoning.endswith("two.") and m.content.startswith("It is")
         assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+        # its reasoning tokens: those through its closing tag's (OpenAI's completion_tokens_details), whole or streamed
+        through = _tokens_through(r.choices[0].logprobs.content, "</think>")
+        assert r.usage.completion_tokens_details.reasoning_tokens == through < r.usage.completion_tokens
+        *_, last = client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        assert last.usage.completion_tokens_details.reasoning_tokens == through
         streamed = {"reasoning_content": "", "content": ""}
         n_logprobs = 0
         for chunk in client.chat.completions.create(**kw, stream=True):
@@ -187,6 +192,11 @@ def test_reasoning_is_apart_in_chat_and_responses(tools_model_dir) -> None:
         assert [t.token for t in final.output[1].content[0].logprobs] == [
             t.token for t in whole.output[1].content[0].logprobs]
         assert "response.reasoning_text.delta" in types and "response.reasoning_text.done" in types
+        # its reasoning tokens: those before the message's (whose first tokens are the closing tag's)
+        tag = _tokens_through(whole.output[1].content[0].logprobs, "</think>")
+        for resp in (whole, final):
+            assert resp.usage.output_tokens_details.reasoning_tokens == (
+                resp.usage.output_tokens - len(resp.output[1].content[0].logprobs) + tag)
         # its reasoning given back as an input item is left out of the next prompt
         again = client.responses.create(model="r1", max_output_tokens=1, store=False, input=[
             {"role": "user", "content": "What is two and two?"}, whole.output[0].model_dump(exclude_none=True),
@@ -212,6 +222,7 @@ def test_deepseek_r1_reasons_freely_before_a_grammar(tools_model_dir) -> None:
         text = "".join(f["text"] for f in frames if f["type"] == "delta")
         assert reasoning and (reasoning, text) == (r.choices[0].message.model_extra["reasoning_content"],
                                                    r.choices[0].message.content)
+        assert r.usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens == 12  # (all of it)
         # held to JSON after its reasoning: the reasoning is the free answer's text (the grammar is not reached)
         frames = asyncio.run(_ws_chat(s, messages=user, max_tokens=12, temperature=0.0,
                                       response_format={"type": "json_object"}))
@@ -234,6 +245,16 @@ def test_deepseek_r1_reasons_freely_before_a_grammar(tools_model_dir) -> None:
             extra_body={"continue_final_message": True, "add_generation_prompt": False,
                         "guided_regex": r" two and two\.</think>It is 4\."}).choices[0].message
         assert (cont.model_extra["reasoning_content"], cont.content) == (" two and two.", "It is 4.")
+
+
+def _tokens_through(logprobs, text: str) -> int:
+    """How many of the tokens (logprobs entries) it takes for their text to hold `text`."""
+    seen = ""
+    for i, t in enumerate(logprobs, start=1):
+        seen += t.token
+        if text in seen:
+            return i
+    raise AssertionError(f"{text!r} is not in {seen!r}")
 
 
 async def _ws_chat(server, **chat) -> list[dict]:
