@@ -22,9 +22,16 @@ def key_matches(presented: str | None, expected: str) -> bool:
 
 
 def bearer_token(headers: Headers) -> str | None:
-    """The token of an `Authorization: Bearer TOKEN` header, or None."""
+    """The token of an `Authorization: Bearer TOKEN` header, or None. Its bytes are read as UTF-8 (a header's
+    text comes decoded as Latin-1), so a key that is not ASCII matches in the header as it does in `hello`."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    try:
+        return token.encode("latin-1").decode("utf-8")
+    except UnicodeError:  # (not UTF-8: taken as Latin-1, as it came)
+        return token
 
 
 def origin_allowed(headers: Headers, allowed: tuple[str, ...]) -> bool:

@@ -187,7 +187,8 @@ class ChatRender(_Base):
             message["reasoning_content"], text, think = openai_reasoning.split(
                 self.reasoning, self.echo + text if self.echo_split else text, **self.think_kwargs)
             h.reasoning_tokens = think.reasoning_tokens(h.watched, h.completion_tokens)
-        message["content"] = echo + text
+        # (an answer that was all reasoning has no content: null, as vLLM's)
+        message["content"] = echo + text if echo or text or self.reasoning is None else None
         reason = _finish_reason(h)
         if self.tools is not None:
             content, calls = openai_tools.answer(self.tools, text)

@@ -221,8 +221,9 @@ def test_deepseek_r1_reasons_freely_before_a_grammar(tools_model_dir) -> None:
         reasoning = "".join(f.get("reasoning", "") for f in frames if f["type"] == "delta")
         text = "".join(f["text"] for f in frames if f["type"] == "delta")
         assert reasoning and (reasoning, text) == (r.choices[0].message.model_extra["reasoning_content"],
-                                                   r.choices[0].message.content)
+                                                   r.choices[0].message.content or "")
         assert r.usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens == 12  # (all of it)
+        assert r.choices[0].message.content is None  # (no content at all: null, as vLLM's)
         # held to JSON after its reasoning: the reasoning is the free answer's text (the grammar is not reached)
         frames = asyncio.run(_ws_chat(s, messages=user, max_tokens=12, temperature=0.0,
                                       response_format={"type": "json_object"}))

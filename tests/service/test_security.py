@@ -181,3 +181,19 @@ async def test_pinned_system_prompt_is_cached_from_the_first_chat(guarded: Serve
     stats = await recv(ws)
     assert stats["num_running"] == 0 and stats["num_free_kv_blocks"] < stats["num_kv_blocks"]  # pinned stay
     await ws.close()
+
+
+def test_a_key_that_is_not_ascii_matches_in_the_header_as_in_hello() -> None:
+    """A header's bytes come decoded as Latin-1: the Bearer token is read back as UTF-8, so `--api-key clé` matches
+    the header a client sends (its UTF-8 bytes), as it matches `hello` (JSON, text)."""
+    from starlette.datastructures import Headers
+
+    from service.auth import bearer_token, key_matches
+
+    key = "clé-ü"
+    sent = Headers(raw=[(b"authorization", b"Bearer " + key.encode())])
+    assert key_matches(bearer_token(sent), key)
+    assert key_matches(bearer_token(Headers(raw=[(b"authorization", b"Bearer cl\xe9-\xfc")])), key)  # (Latin-1 too)
+    assert not key_matches(bearer_token(Headers(raw=[(b"authorization", b"Bearer cle-u")])), key)
+    assert bearer_token(Headers(raw=[(b"authorization", b"Bearer plain")])) == "plain"
+    assert bearer_token(Headers(raw=[(b"authorization", b"Basic x")])) is None
