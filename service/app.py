@@ -99,6 +99,7 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = N
         Route("/responses", openai_responses.create_response, methods=["POST"]),
         Route("/responses/{response_id}", openai_responses.get_response, methods=["GET"]),
         Route("/responses/{response_id}", openai_responses.delete_response, methods=["DELETE"]),
+        Route("/responses/{response_id}/input_items", openai_responses.list_input_items, methods=["GET"]),
         Route("/models", openai_api.models, methods=["GET"]),
         Route("/models/{model:path}", openai_api.model, methods=["GET"]),
     ])

@@ -483,6 +483,60 @@ async def get_response(request: Request) -> Response:
     return Response(stored.body, media_type="application/json")
 
 
+async def list_input_items(request: Request) -> Response:
+    """GET /v1/responses/{id}/input_items: the items of a stored response's `input`, as the store keeps them
+    (messages, function calls and their outputs; reasoning items given back are not kept), a page at a time:
+    `limit` (1-100, default 20), `order` (`desc`, the default: the last first; or `asc`), `after` an item's id."""
+    svc, response_id = _stored(request)
+    stored = svc.responses.get(response_id)
+    if stored is None:
+        return _not_found(response_id)
+    query = request.query_params
+    limit = query.get("limit", "20")
+    if not (limit.isdecimal() and 1 <= int(limit) <= 100):
+        return error_response(400, f"limit must be an integer from 1 to 100, got {limit!r}", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        return error_response(400, f"order must be asc or desc, got {order!r}", param="order")
+    if query.getlist("include"):
+        return error_response(400, "include is not supported for input items (they carry no logprobs or outputs)",
+                              param="include", code="unsupported_parameter")
+    items = _input_items(response_id, stored.turn[:-1])  # (the turn's last message is the answer)
+    if order == "desc":
+        items.reverse()
+    start = 0
+    if (after := query.get("after")) is not None:
+        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), -1)
+        if start < 0:
+            return error_response(400, f"after: no input item {after!r} in response '{response_id}'", param="after")
+    page = items[start:start + int(limit)]
+    return Response(msgspec.json.encode({
+        "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(items)}),
+        media_type="application/json")
+
+
+def _input_items(response_id: str, messages: list[_Message]) -> list[dict[str, Any]]:
+    """A turn's input messages as Responses API items, with ids made from the response's (the same at every call)."""
+    base, out = response_id.removeprefix("resp_"), []
+
+    def add(prefix: str, item: dict[str, Any]) -> None:
+        out.append({"id": f"{prefix}_{base}{len(out):04d}", **item, "status": "completed"})
+
+    for m in messages:
+        if m.role == "tool":
+            add("fco", {"type": "function_call_output", "call_id": m.tool_call_id, "output": m.content or ""})
+            continue
+        if m.content is not None or not m.tool_calls:
+            part = ({"type": "output_text", "text": m.content or "", "annotations": []} if m.role == "assistant" else
+                    {"type": "input_text", "text": m.content or ""})
+            add("msg", {"type": "message", "role": m.role, "content": [part]})
+        for call in m.tool_calls or ():
+            add("fc", {"type": "function_call", "call_id": call.id, "name": call.function.name,
+                       "arguments": call.function.arguments})
+    return out
+
+
 async def delete_response(request: Request) -> Response:
     svc, response_id = _stored(request)
     if not svc.responses.delete(response_id):

@@ -260,3 +260,44 @@ def test_tokenize_refuses_a_flood_before_tokenizing(server) -> None:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0, "echo": True,
                                                "min_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
+def test_a_stored_responses_input_items(client: openai.OpenAI, server) -> None:
+    """GET /v1/responses/{id}/input_items (the client's `responses.input_items.list`): the items of its input, as
+    the client's types read them, newest first unless asked, a page at a time."""
+    from openai.types.responses import ResponseItemList
+
+    given = [{"type": "message", "role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather"},
+                                                             {"type": "input_text", "text": "in Rome?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+             {"role": "assistant", "content": "It is sunny."},
+             {"role": "user", "content": "Thanks!"}]
+    r = client.responses.create(model=MODEL, input=given, tools=[TOOL], max_output_tokens=2)
+    items = client.responses.input_items.list(r.id, order="asc")
+    seen = [(i.type, getattr(i, "role", None)) for i in items.data]
+    assert seen == [("message", "developer"), ("message", "user"), ("function_call", None),
+                    ("function_call_output", None), ("message", "assistant"), ("message", "user")]
+    assert items.data[1].content[0].text == "Weather\nin Rome?" and items.data[2].arguments == '{"city": "Rome"}'
+    assert items.data[3].output == "sunny" and items.data[4].content[0].text == "It is sunny."
+    assert not items.has_more and (items.first_id, items.last_id) == (items.data[0].id, items.data[-1].id)
+    newest = client.responses.input_items.list(r.id)  # (desc: the last first)
+    assert [i.id for i in newest.data] == [i.id for i in reversed(items.data)]
+    with httpx.Client(base_url=f"{server.url}/v1", timeout=60) as http:
+        page = http.get(f"/responses/{r.id}/input_items", params={"limit": 2, "order": "asc"}).json()
+        ResponseItemList.model_validate(page, strict=True)
+        assert [i["id"] for i in page["data"]] == [i.id for i in items.data[:2]] and page["has_more"]
+        rest = http.get(f"/responses/{r.id}/input_items",
+                        params={"limit": 10, "order": "asc", "after": page["last_id"]}).json()
+        assert [i["id"] for i in rest["data"]] == [i.id for i in items.data[2:]] and not rest["has_more"]
+        for params, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                              ({"after": "msg_nope"}, "after"), ({"include": "message.output_text.logprobs"},
+                                                                 "include")):
+            bad = http.get(f"/responses/{r.id}/input_items", params=params)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        assert http.get("/responses/resp_nope/input_items").status_code == 404
+    # a plain string input is one user message
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+    (only,) = client.responses.input_items.list(r.id).data
+    assert (only.role, only.content[0].text) == ("user", "Hi")
