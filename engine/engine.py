@@ -286,18 +286,23 @@ class LLMEngine:
                                        f"most {rows} tokens (this one has {req.num_prompt_tokens}); mixed computes a "
                                        "longer one in chunks")
         compiling = params.structured_output is not None and not self._grammar(req)
-        if params.bad_words:
-            for ids in bad_words_ids(self.tokenizer, params.bad_words, vocab):
-                if len(ids) == 1:
-                    req.bad_tokens.append(ids[0])
-                else:
-                    req.bad_sequences.append(ids)
-        if params.seed is not None:
-            req.generator = self.runner.sampler.make_generator(params.seed)
-        if resume is not None:
-            _resume(req, resume)
-            if req.matcher is not None:
-                _replay_grammar(req, self.runner.sampler.grammars)
+        try:
+            if params.bad_words:
+                for ids in bad_words_ids(self.tokenizer, params.bad_words, vocab):
+                    if len(ids) == 1:
+                        req.bad_tokens.append(ids[0])
+                    else:
+                        req.bad_sequences.append(ids)
+            if params.seed is not None:
+                req.generator = self.runner.sampler.make_generator(params.seed)
+            if resume is not None:
+                _resume(req, resume)
+                if req.matcher is not None:
+                    _replay_grammar(req, self.runner.sampler.grammars)
+        except BaseException:
+            if compiling:  # (refused: it waits for its compile no more)
+                self.runner.sampler.grammars.release(req.grammar)
+            raise
         self.requests[request_id] = req
         if compiling:  # scheduled once its grammar is compiled (`_admit_compiled`)
             self._compiling[request_id] = req

@@ -177,8 +177,8 @@ class Grammars:
         key = (so.kind, so.spec, so.after, so.opens)
         if (done := self._compiled.get(key)) is not None and not (done.done() and done.exception() is not None):
             self._compiled.move_to_end(key)
-            if not done.done():
-                self._waiting[done] += 1
+            if not done.done():  # (one no request waited for any more, running on: waited for again)
+                self._waiting[done] = self._waiting.get(done, 0) + 1
             return done
         future: Future = Future()
         self._compiled[key] = future

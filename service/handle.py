@@ -168,10 +168,11 @@ class RequestHandle:
         if logprobs:
             self._logprobs.extend(logprobs)
 
-    def watch(self, text: str) -> None:
+    def watch(self, text: str, lead: str = "") -> None:
         """Count the answer's tokens up to the end of `text`'s first appearance in it (`watched`): a reasoning's
-        closing tag, where its reasoning tokens end. Before anything is pushed."""
-        self._watch, self._tail = text, ""
+        closing tag, where its reasoning tokens end. `lead`: the text before the answer (a continued message's),
+        which may hold the start of it. Before anything is pushed."""
+        self._watch, self._tail = text, lead[1 - len(text):] if len(text) > 1 else ""
 
     def _find(self, text: str) -> None:
         window = self._tail + text

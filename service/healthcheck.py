@@ -1,7 +1,8 @@
 """`python -m service.healthcheck`: the container's HEALTHCHECK. Exit 0 while `GET /health` on this machine answers
 200, 1 otherwise. It reads the server's settings from the same `SLUICE_*` variables the server does (the port, and
 TLS: https with the server's certificate taken on trust, as it is its own, and offered back as the client's when
-`--ssl-cert-reqs` asks for one, which works where the CA in `--ssl-ca-certs` signed it)."""
+`--ssl-cert-reqs 2` requires one, which works where the CA in `--ssl-ca-certs` signed it for client authentication
+too)."""
 from __future__ import annotations
 
 import ssl
@@ -17,7 +18,7 @@ def probe(config: ServerConfig, timeout: float = 2.0) -> bool:
         client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         client.check_hostname = False  # (127.0.0.1 is rarely a name the certificate holds)
         client.verify_mode = ssl.CERT_NONE
-        if config.ssl_cert_reqs:
+        if config.ssl_cert_reqs == ssl.CERT_REQUIRED:  # (optional: none is sent, as one would be checked)
             client.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
     url = f"{'https' if client else 'http'}://127.0.0.1:{config.port}/health"
     try:

@@ -159,8 +159,11 @@ def chat_request(svc: Service, body: ChatCompletionRequest, client: str,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, **kwargs)
     so = params.structured_output  # (one held from its first token: the template opened nothing for it)
     messages = chat_messages(body)
+    asked = (body.max_completion_tokens or body.max_tokens) is not None
     req = GenerateRequest(prompt=messages, chat=True, params=params, api=api, client=client,
-                          fit_max_tokens=False,  # as OpenAI: more than the context leaves is a 400
+                          # as OpenAI: more than the context leaves is a 400, if the client asked for it (the
+                          # generation config's max_new_tokens, a default, is capped to the context as vLLM caps it)
+                          fit_max_tokens=not asked,
                           add_special_tokens=body.add_special_tokens, add_generation_prompt=add_generation_prompt,
                           continue_final_message=continue_final, truncate_prompt_tokens=_truncation(svc, body),
                           tools=tools.tools, documents=body.documents, template_kwargs=template_kwargs(body))

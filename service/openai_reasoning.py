@@ -59,6 +59,13 @@ class ThinkStream:
     def feed(self, text: str) -> list[Part]:
         return _answers(self._feed(text))
 
+    def feed_echo(self, text: str) -> list[Part]:
+        """The echo an answer starts with (the continued message, given back): fed as the answer's, but a reasoning
+        it closes is not the answer's to count."""
+        parts = self.feed(text)
+        self.closed = False
+        return parts
+
     def end(self) -> list[Part]:
         """What was held back when the answer ended: an opening that never became a tag is the answer's (where it
         starts), as is an unfinished closing tag."""
@@ -123,11 +130,11 @@ def _answers(parts: list[Part]) -> list[Part]:
     return [(kind, text[max(0, len(text) - end):], end) for kind, text, end in parts if end > 0]
 
 
-def split(parser: str, text: str, **kwargs: Any) -> tuple[str | None, str, ThinkStream]:
-    """A whole answer's reasoning (None if it has none) and content, and the stream that split it (`kwargs`:
-    ThinkStream's)."""
+def split(parser: str, text: str, echo: str = "", **kwargs: Any) -> tuple[str | None, str, ThinkStream]:
+    """A whole answer's reasoning (None if it has none) and content, and the stream that split it (`echo`: the text it
+    starts with, given back, `ThinkStream.feed_echo`; `kwargs`: ThinkStream's)."""
     stream = ThinkStream(parser, **kwargs)
-    parts = stream.feed(text) + stream.end()
+    parts = (stream.feed_echo(echo) if echo else []) + stream.feed(text) + stream.end()
     reasoning = "".join(t for kind, t, _ in parts if kind == "reasoning")
     return reasoning or None, "".join(t for kind, t, _ in parts if kind == "content"), stream
 

@@ -163,8 +163,9 @@ class ChatRender(_Base):
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def watch(self, h: RequestHandle) -> None:
-        if self.reasoning is not None:  # (its reasoning tokens: those up to the tag that ends it)
-            h.watch(openai_reasoning.END)
+        if self.reasoning is not None:  # (its reasoning tokens: those up to the tag that ends it, which may start in
+            # the text before the answer: the continued message's)
+            h.watch(openai_reasoning.END, self.echo if self.echo_split else self.think_kwargs["prefix"])
 
     def response(self, renders: list[Render], handles: list[RequestHandle], n: int) -> dict[str, Any]:
         body = super().response(renders, handles, n)
@@ -185,7 +186,7 @@ class ChatRender(_Base):
         echo = "" if self.echo_split else self.echo
         if self.reasoning is not None:
             message["reasoning_content"], text, think = openai_reasoning.split(
-                self.reasoning, self.echo + text if self.echo_split else text, **self.think_kwargs)
+                self.reasoning, text, echo=self.echo if self.echo_split else "", **self.think_kwargs)
             h.reasoning_tokens = think.reasoning_tokens(h.watched, h.completion_tokens)
         # (an answer that was all reasoning has no content: null, as vLLM's)
         message["content"] = echo + text if echo or text or self.reasoning is None else None
@@ -203,7 +204,7 @@ class ChatRender(_Base):
         chunks = [self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}], include_usage)]
         if self.echo_split:
-            chunks += self._parts(self.think.feed(self.echo), include_usage)  # type: ignore[union-attr]
+            chunks += self._parts(self.think.feed_echo(self.echo), include_usage)  # type: ignore[union-attr]
         elif self.echo:
             chunks.append(self._chunk([{"index": self.index, "delta": {"content": self.echo}, "logprobs": None,
                                         "finish_reason": None}], include_usage))

@@ -199,6 +199,23 @@ def test_a_queued_compile_no_request_waits_for_is_dropped(tiny_model_dir, monkey
     eng.check_integrity()
 
 
+def test_a_compile_given_up_while_it_runs_is_waited_for_again(tiny_model_dir, monkeypatch):
+    """A request that let go of a compile already running (it cannot be stopped), then one with the same grammar (a
+    client cancelling and retrying): the second waits for that compile (it failed with a KeyError)."""
+    eng = _engine(tiny_model_dir)
+    release, seen = _held_compiles(eng, monkeypatch)
+    held = SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutput.choice(CHOICES))
+    eng.add_request("first", PROMPTS[0], held)
+    _wait_for(lambda: len(seen) == 1)
+    eng.abort("first")
+    eng.step()
+    eng.add_request("again", PROMPTS[1], held)
+    release.set()
+    got = {o.request_id: o for o in _run(eng)}
+    assert got["again"].finish_reason == "stop" and not got["again"].error and len(seen) == 1
+    assert not eng.runner.sampler.grammars._waiting
+
+
 def _wait_for(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

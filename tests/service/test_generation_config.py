@@ -26,8 +26,8 @@ def model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def config(model: Path, **kw) -> ServerConfig:
-    return ServerConfig(model=str(model), dtype="float32", num_kv_blocks=256, max_model_len=512,
-                        engine_process=False, **kw)
+    return ServerConfig(**{"model": str(model), "dtype": "float32", "num_kv_blocks": 256, "max_model_len": 512,
+                           "engine_process": False, **kw})
 
 
 async def test_served_requests_take_the_models_defaults(model: Path) -> None:
@@ -75,6 +75,22 @@ async def test_generation_config_vllm_and_the_override(model: Path) -> None:
         async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
             resp = (await http.post("/v1/responses", json={"model": "m", "input": "Hi"})).json()
             assert (resp["temperature"], resp["top_p"], resp["usage"]["output_tokens"]) == (0.25, 1.0, 2)
+
+
+async def test_a_max_new_tokens_beyond_the_context_is_capped_to_it(model: Path) -> None:
+    """The generation config's max_new_tokens is a default, capped to what the context leaves (vLLM's min of the two):
+    a chat that asks for no length is not refused for it; one that asks for more than the context is (OpenAI's 400)."""
+    cfg = config(model, max_model_len=48, override_generation_config={"max_new_tokens": 1000})
+    with in_process(build_app(cfg), "gen-cap") as s:
+        async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
+            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens"] + usage["completion_tokens"] == 48
+            r = await http.post("/v1/responses", json={"model": "m", "input": "Hi"})
+            assert r.status_code == 200 and sum(r.json()["usage"][k] for k in ("input_tokens", "output_tokens")) <= 48
+            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 100})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
 def test_the_flags(model: Path) -> None:

@@ -94,6 +94,38 @@ def test_each_tokens_logprobs_go_with_its_part() -> None:
                    (("content", "Answer"), ["\ufffd\ufffd thinking</think>", "Answer"]), (("content", ""), [""])]
 
 
+@pytest.mark.parametrize("parser, continued, echo, pieces, want", [
+    ("deepseek_r1", None, False, ["I", " think", "</", "think>", "42"], 4),  # (through the push ending the tag)
+    ("deepseek_r1", None, False, ["I", " think"], 2),  # never closed: all of it
+    ("qwen3", None, False, ["4", "2"], 0),  # no reasoning
+    ("qwen3", None, False, ["<think>", "hm", "</think>", "4"], 3),
+    ("qwen3", "<think>abc</thi", False, ["nk>", "It", " is"], 1),  # the continued message holds the tag's start
+    ("qwen3", "<think>abc</thi", True, ["nk>", "It", " is"], 1),  # (echoed too)
+    ("qwen3", "<think>a</think>b", True, ["It", " is", " 4"], 0),  # closed in the message, not in the answer
+    ("qwen3", "<think>a", False, ["b", "</think>", "c"], 2),
+])
+def test_reasoning_tokens_are_the_answers_through_its_closing_tag(parser, continued, echo, pieces, want) -> None:
+    """An answer's reasoning tokens (usage's `reasoning_tokens`): those through the push that completes its closing tag
+    (RequestHandle.watch), whole or streamed alike, wherever the tag starts; none of a reasoning the continued message
+    closed."""
+    for streamed in (False, True):
+        render = ChatRender("m", False, reasoning=parser, continued=continued, opened=continued is None,
+                            echo=continued if echo else "")
+        h = RequestHandle("r", "chat", lambda: None)
+        render.watch(h)
+        chunks = render.stream_start(h, False) if streamed else []
+        for piece in pieces:
+            h.push(piece, 1, None)
+            if streamed:
+                chunks += render.stream_delta(*h.take()[::2], False)
+        h.finish("stop", None)
+        if streamed:
+            render.stream_end(h, False)
+        else:
+            render.choice(h)
+        assert h.reasoning_tokens == want, (streamed, pieces)
+
+
 def test_an_echo_is_split_as_the_answer_it_leads() -> None:
     """`echo` with `continue_final_message`: the echoed message is the answer's start, split with it (a tag it leaves
     unfinished too), whole or streamed alike; without `continue_final_message` the echo leads the content as is."""

@@ -3,7 +3,10 @@ https:// and the WebSocket over wss://, client certificates when asked for, flag
 container's healthcheck (service/healthcheck.py) on a TLS server. Certificates from `trustme`'s throwaway CA."""
 from __future__ import annotations
 
+import dataclasses
+import socket
 import ssl
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,13 +113,34 @@ async def test_mutual_tls_requires_a_client_certificate(servers: dict[str, Serve
         await ws.close()
 
 
-def test_healthcheck_speaks_tls(servers: dict[str, Server], pki: dict[str, Path]) -> None:
+def _serve_health_once(listener: socket.socket, context: ssl.SSLContext) -> None:
+    """One TLS connection answered `200` (a stand-in for the server's /health, with its TLS context)."""
+    conn, _ = listener.accept()
+    with context.wrap_socket(conn, server_side=True) as tls:
+        tls.recv(4096)
+        tls.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+    listener.close()
+
+
+def test_healthcheck_speaks_tls(servers: dict[str, Server], pki: dict[str, Path], tmp_path: Path) -> None:
     """The image's HEALTHCHECK reads the server's variables: https, the server's own certificate on trust, offered
     as the client's where one is required (the CA signed both here)."""
     for name, extra in (("tls", {}), ("mutual", {"SLUICE_SSL_CA_CERTS": str(pki["ca"]), "SLUICE_SSL_CERT_REQS": "2"})):
         env = {"SLUICE_PORT": str(servers[name].port), "SLUICE_SSL_KEYFILE": str(pki["key"]),
                "SLUICE_SSL_CERTFILE": str(pki["cert"]), **extra}
         assert probe(parse_config([], env)), name
+    # client certificates checked when sent (1) against a CA of clients' own: the probe sends none, as a server's
+    # certificate would fail that check
+    server, clients = trustme.CA(), trustme.CA()
+    cert = server.issue_cert("127.0.0.1")
+    for name, blob in (("k1.pem", cert.private_key_pem), ("c1.pem", cert.cert_chain_pems[0]),
+                       ("clients.pem", clients.cert_pem)):
+        blob.write_to_path(str(tmp_path / name))
+    optional = ServerConfig(ssl_keyfile=str(tmp_path / "k1.pem"), ssl_certfile=str(tmp_path / "c1.pem"),
+                            ssl_ca_certs=str(tmp_path / "clients.pem"), ssl_cert_reqs=1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_serve_health_once, args=(listener, optional.tls_context()), daemon=True).start()
+    assert probe(dataclasses.replace(optional, port=listener.getsockname()[1]))
     # without the TLS variables it speaks plain HTTP to the TLS port: unhealthy, not a hang or a crash
     assert not probe(parse_config([], {"SLUICE_PORT": str(servers["tls"].port)}))
 
