@@ -277,7 +277,7 @@ _BAD = [  # (path, body with the model filled in, the 400's code, its param)
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}, "invalid_message",
      "messages[0].tool_calls[0].function.arguments"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "unsupported_parameter", "messages[0].content"),
+     "unsupported_parameter", "messages[0].content[0].type"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "invalid_message", "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "unsupported_parameter", "best_of"),
     ("/v1/completions", {"prompt": [[1], []]}, "invalid_message", "prompt"),  # a batch with an empty prompt
