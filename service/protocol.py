@@ -202,6 +202,9 @@ class Ready(_Out, tag="ready"):
     max_model_len: int
     max_inflight: int
     protocol: int = PROTOCOL_VERSION
+    # the model's sampling defaults (its generation config's: `temperature`, `top_p`, `top_k`, `min_p`,
+    # `repetition_penalty`, `max_tokens` where it sets them): what a chat that leaves them out gets
+    defaults: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class Start(_Out, tag="start"):

@@ -195,7 +195,8 @@ class Session:
 
     def ready(self) -> Ready:
         return Ready(model=self.svc.model_name, max_model_len=self.svc.bridge.max_model_len,
-                     max_inflight=self.svc.config.max_inflight_per_connection)
+                     max_inflight=self.svc.config.max_inflight_per_connection,
+                     defaults=dict(self.svc.bridge.sampling_defaults))
 
     def stats(self) -> Stats:
         s, b = self.svc.bridge.stats, self.svc.bridge

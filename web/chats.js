@@ -2,7 +2,7 @@
 // socket. No DOM here. Events: 'list' (sidebar changed), 'chat' (a chat's message list changed),
 // 'message' (detail {chat, msg}: one message's text or status changed), 'system' (a chat's system
 // prompt changed), 'notice' (detail: text for the user).
-import {load, save, newChat} from './store.js';
+import {load, save, newChat, sampling} from './store.js';
 import {systemPromptOf} from './presets.js';
 
 const ERROR_HINTS = {
@@ -124,7 +124,8 @@ export class ChatBook extends EventTarget {
     chat.messages.push(msg);
     chat.updatedAt = Date.now();
     const id = `${chat.id}-${++this.seq}`;
-    const {temperature, top_p, max_tokens, seed} = chat.settings;
+    const {max_tokens, seed} = chat.settings;
+    const {temperature, top_p} = sampling(chat.settings, this.conn.info?.defaults);
     const frame = {type: 'chat', id, messages, max_tokens, temperature, top_p};
     if (Number.isInteger(seed)) frame.seed = seed;
     if (this.conn.send(frame)) {

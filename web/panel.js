@@ -2,6 +2,7 @@
 // card fed by `stats` frames (polled once a second) with a small SVG sparkline of tokens/s.
 import {h, s} from './dom.js';
 import {PRESETS, CUSTOM, presetById, systemPromptOf} from './presets.js';
+import {sampling} from './store.js';
 
 const $ = (id) => document.getElementById(id);
 const STATS_EVERY_MS = 1000;
@@ -29,7 +30,7 @@ export class Panel {
     }
     conn.addEventListener('frame', (e) => {
       if (e.detail.type === 'stats') this.renderStats(e.detail);
-      if (e.detail.type === 'ready') this.renderServer(e.detail);
+      if (e.detail.type === 'ready') { this.renderServer(e.detail); this.render(); }  // (the model's defaults)
     });
     setInterval(() => { if (!document.hidden) conn.send({type: 'stats'}); }, STATS_EVERY_MS);
     this.renderSpark();
@@ -51,10 +52,12 @@ export class Panel {
     $('preset').value = presetById(chat.presetId).id;
     $('system').value = systemPromptOf(chat);
     const st = chat.settings;
-    $('temperature').value = st.temperature;
-    $('temperature-out').textContent = Number(st.temperature).toFixed(2);
-    $('top_p').value = st.top_p;
-    $('top_p-out').textContent = Number(st.top_p).toFixed(2);
+    const used = sampling(st, this.conn.info?.defaults);
+    for (const name of ['temperature', 'top_p']) {
+      // not set in this chat: the model's default (or the UI's), said so until the slider is moved
+      $(name).value = used[name];
+      $(`${name}-out`).textContent = Number(used[name]).toFixed(2) + (st[name] == null ? ' · default' : '');
+    }
     $('max_tokens').value = st.max_tokens;
     $('seed').value = st.seed ?? '';
     this.renderShared();

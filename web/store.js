@@ -3,7 +3,15 @@
 
 const KEY = 'sluice.chats.v1';
 
-export const DEFAULT_SETTINGS = Object.freeze({temperature: 0.7, top_p: 1.0, max_tokens: 512, seed: null});
+// temperature and top_p null: the model's (the `ready` frame's `defaults`, from its generation config), else FALLBACK's
+export const DEFAULT_SETTINGS = Object.freeze({temperature: null, top_p: null, max_tokens: 512, seed: null});
+const FALLBACK = Object.freeze({temperature: 0.7, top_p: 1.0});
+
+/** The temperature and top_p a chat samples with: its own once set, else the model's defaults, else the UI's. */
+export function sampling(settings, defaults) {
+  const pick = (name) => settings[name] ?? defaults?.[name] ?? FALLBACK[name];
+  return {temperature: pick('temperature'), top_p: pick('top_p')};
+}
 
 export function newId() {
   const bytes = crypto.getRandomValues(new Uint8Array(6));

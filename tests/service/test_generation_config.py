@@ -54,7 +54,8 @@ async def test_served_requests_take_the_models_defaults(model: Path) -> None:
             resp = (await http.post("/v1/responses", json={"model": "m", "input": "Hi", "temperature": 0.2})).json()
             assert (resp["temperature"], resp["top_p"]) == (0.2, 0.9)
         async with connect(s.ws_url) as ws:
-            assert (await recv(ws))["type"] == "ready"
+            ready = await recv(ws)  # (the model's defaults, for a client that shows them: the UI's sliders)
+            assert ready["defaults"] == {"temperature": 0.5, "top_k": 1, "top_p": 0.9, "max_tokens": 5}
             await send(ws, **user_chat("c", "Tell me about the sea"))
             text, done = check_chat_frames((await collect(ws, {"c"}))["c"])
             assert done["usage"]["completion_tokens"] == 5 and text == unset["choices"][0]["message"]["content"]

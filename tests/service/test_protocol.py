@@ -97,7 +97,9 @@ def test_valid_chats_round_trip(chat_id: str, roles: list[str], max_tokens: int,
 
 def test_server_messages_encode_as_in_protocol() -> None:
     assert json.loads(encode(Ready(model="m", max_model_len=512, max_inflight=4))) == {
-        "type": "ready", "protocol": 1, "model": "m", "max_model_len": 512, "max_inflight": 4}
+        "type": "ready", "protocol": 1, "model": "m", "max_model_len": 512, "max_inflight": 4, "defaults": {}}
+    assert json.loads(encode(Ready(model="m", max_model_len=512, max_inflight=4, defaults={"temperature": 0.6})))[
+        "defaults"] == {"temperature": 0.6}
     done = Done(id="c1", finish_reason="cancelled", usage=Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
                 timing=Timing(queue_ms=1.0, ttft_ms=2.0, total_ms=3.0))
     assert json.loads(encode(done)) == {
