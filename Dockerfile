@@ -19,7 +19,7 @@ COPY docker/requirements.txt docker/
 RUN pip install --no-cache-dir --disable-pip-version-check -c docker/requirements.txt setuptools
 COPY pyproject.toml README.md ./
 COPY engine engine
-COPY kernels kernels
+COPY sluice_kernels sluice_kernels
 COPY service service
 COPY web web
 RUN pip wheel --no-cache-dir --disable-pip-version-check --no-deps --no-build-isolation --wheel-dir /wheels .
@@ -38,7 +38,7 @@ RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin sluice \
 ARG PIP_INDEX_URL
 ARG PIP_TRUSTED_HOST
 ARG TARGET=cpu
-# A compiler stays in the runtime image on purpose. cpu: the attention kernel (kernels/cpu/csrc) is compiled with
+# A compiler stays in the runtime image on purpose. cpu: the attention kernel (sluice_kernels/cpu/csrc) is compiled with
 # -march=native for the CPU it runs on, on first start (cached in $SLUICE_HOME); a build host cannot know that
 # CPU, and without g++ a slower torch path serves. cuda: Triton compiles a small C launcher per kernel.
 # Debian's current compiler: a pinned apt version would vanish from the mirror with the next security update.

@@ -7,7 +7,7 @@ each at batch 1 x 4,000 tokens, 64 x 500 and 256 x 200, with float32 and bfloat1
 - `native`: the library the engine loads (`-march=native`: the AVX-512 loops where the CPU has them, else AVX2);
 - `no-avx512`, on CPUs with AVX-512 only: the same sources built without it, the AVX2 loops most x86 CPUs run;
 - `plain`, on x86 with AVX2: built without AVX2 (`-mno-avx2`), the plain C++ loops other CPUs run: the baseline;
-- `twin`: the torch path the engine takes without a compiler (`kernels/reference.py`: gather the blocks, SDPA).
+- `twin`: the torch path the engine takes without a compiler (`sluice_kernels/reference.py`: gather the blocks, SDPA).
 
 The builds compile once into the engine's kernel cache. A system's time is its best call over `run.rounds` rounds
 (systems in turn within a round) of calls for ~0.2 s each; the ratios divide best by best in the same run. Each row
@@ -24,10 +24,10 @@ import torch
 from bench import report
 from bench.common import Run, cpu_flags
 from engine.config import kernel_cache_dir
-from kernels import reference
-from kernels.cpu.attention import paged_attention
-from kernels.cpu.binding import Native, bind
-from kernels.cpu.build import build, build_variants
+from sluice_kernels import reference
+from sluice_kernels.cpu.attention import paged_attention
+from sluice_kernels.cpu.binding import Native, bind
+from sluice_kernels.cpu.build import build, build_variants
 
 SHAPES = {32: (4, 2), 64: (8, 4), 128: (12, 2)}  # head dim: (query heads, KV heads)
 BLOCK_SIZE = 16  # the engine's default

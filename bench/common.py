@@ -68,7 +68,7 @@ def isa() -> list[str]:
 
 def kernel_path() -> str:
     """Which kernels the engine runs on this host (the CPU build it loads, or would load)."""
-    import kernels
+    import sluice_kernels as kernels
     from engine.config import kernel_cache_dir
 
     if torch.cuda.is_available() or kernels.MODE == "triton":

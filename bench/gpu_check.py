@@ -23,9 +23,9 @@ if DRY:  # before triton/kernels are imported: both read the environment once
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels import triton as triton_ops  # noqa: E402
+import sluice_kernels as kernels  # noqa: E402
+from sluice_kernels import reference  # noqa: E402
+from sluice_kernels import triton as triton_ops  # noqa: E402
 
 HBM_PEAK_GBS = 4800.0  # H200 HBM3e
 TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 2e-5}  # max abs error vs the reference

@@ -101,8 +101,8 @@ def accuracy_row(model: str, model_dir: Path, prompts: list[list[int]], sz: Size
 def kernel_rows(run: Run) -> list[dict]:
     """The backend's paged attention over a quantized cache (q in the run's dtype) vs the twin in fp32 over the same
     cache (the kernel's own error), and that twin vs fp32 attention over the exact cache (the quantization's)."""
-    import kernels
-    from kernels import reference
+    import sluice_kernels as kernels
+    from sluice_kernels import reference
 
     torch.manual_seed(run.seed)
     dtype = run.torch_dtype

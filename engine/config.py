@@ -27,7 +27,7 @@ def sluice_home() -> Path:
 
 
 def kernel_cache_dir() -> Path:
-    """Where the native CPU kernels are compiled, once per CPU and source (kernels/cpu/build.py)."""
+    """Where the native CPU kernels are compiled, once per CPU and source (sluice_kernels/cpu/build.py)."""
     return sluice_home() / "build"
 
 

@@ -17,7 +17,7 @@ Two kinds of bucket:
 
 What makes one recording right for every step of its bucket:
 - the forward reads only the static buffers and the KV pool, and never the host (the Triton launchers read shapes,
-  not values: kernels/triton/attention.py);
+  not values: sluice_kernels/triton/attention.py);
 - block tables are full width (`max_model_len` of blocks), so the attention grid and its split-KV count are fixed
   per bucket and cover any context;
 - a padding token is token 0 at position 0 with slot -1 (`store_kv` skips it); the padding tokens are spread

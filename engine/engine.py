@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-import kernels
+import sluice_kernels as kernels
 from engine import loader, structured
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_dir, kernel_cache_dir, sluice_home

@@ -226,7 +226,7 @@ def _worker_main(rank: int, world: int, port: int, config, model_dir: str, devic
     from engine.model_runner import kv_pool
     from engine.models import LlamaModel
 
-    import kernels
+    import sluice_kernels as kernels
 
     threading.Thread(target=watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
     torch.set_num_threads(max(1, torch.get_num_threads() // world))  # N ranks share the cores rank 0 was given

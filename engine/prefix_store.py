@@ -31,7 +31,7 @@ PARTS = ("k", "v", "k_scale", "v_scale")  # the names of a layer's KV parts (eng
 @functools.cache
 def code_identity() -> str:
     """A digest of the sources that compute KV (the model code and the kernels): an upgrade is another store."""
-    roots = [Path(__file__).parent / "models", Path(__file__).parent.parent / "kernels"]
+    roots = [Path(__file__).parent / "models", Path(__file__).parent.parent / "sluice_kernels"]
     h = hashlib.sha256(FORMAT.encode())
     for p in sorted(f for r in roots for f in r.rglob("*") if f.suffix in (".py", ".cpp", ".h")):
         h.update(p.name.encode() + p.read_bytes())

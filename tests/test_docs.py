@@ -21,7 +21,7 @@ DOCS = ROOT / "docs"
 ARCHITECTURE = DOCS / "architecture.md"
 PROTOCOL_DOC = DOCS / "protocol.md"
 
-SCANNED = ("README.md", "service", "engine", "kernels", "web", "bench", "docs", "tests", "Dockerfile", "compose.yaml",
+SCANNED = ("README.md", "service", "engine", "sluice_kernels", "web", "bench", "docs", "tests", "Dockerfile", "compose.yaml",
            "compose.gpu.yaml", "models")
 SKIP_DIRS = {"__pycache__", ".pytest_cache", "node_modules"}
 # References to documents outside the repository (the old seed documents and the folder they sat in).

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-import kernels
+import sluice_kernels as kernels
 from engine.parallel import Shard, all_gather_rows, all_reduce
 
 if TYPE_CHECKING:

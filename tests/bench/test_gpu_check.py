@@ -10,7 +10,7 @@ if not torch.cuda.is_available():  # bench.gpu_check imports triton's kernels: a
     os.environ["TRITON_INTERPRET"] = "1"
 
 from bench.gpu_check import TOL, Row, judge, judge_rounded, max_err, ulp_err  # noqa: E402
-from kernels import reference  # noqa: E402
+from sluice_kernels import reference  # noqa: E402
 
 
 def _fma_rotary(q: torch.Tensor, cs: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

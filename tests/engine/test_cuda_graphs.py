@@ -251,7 +251,7 @@ def test_cudagraph_mode_picks_the_buckets(monkeypatch, mode, mixed):
     "full" (the default) only."""
     import types
 
-    import kernels
+    import sluice_kernels as kernels
 
     monkeypatch.setattr(kernels, "attention_backend", lambda *a: "triton")
     eng = types.SimpleNamespace(config=EngineConfig(enforce_eager=False, cudagraph_mode=mode, max_num_seqs=64,

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine.config import kernel_cache_dir
-from kernels.cpu.binding import Native, bind
-from kernels.cpu.build import VARIANTS, build, build_variants
+from sluice_kernels.cpu.binding import Native, bind
+from sluice_kernels.cpu.build import VARIANTS, build, build_variants
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"

@@ -1,4 +1,4 @@
-"""`kernels/__init__.py`: one function picks the backend per call, as the table in docs/architecture.md §8 says,
+"""`sluice_kernels/__init__.py`: one function picks the backend per call, as the table in docs/architecture.md §8 says,
 and every backend offers each public op under the public op's signature."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import inspect
 import pytest
 import torch
 
-import kernels
+import sluice_kernels as kernels
 from engine import EngineConfig, LLMEngine, SamplingParams
-from kernels import cpu, reference, triton
-from kernels.cpu import binding
+from sluice_kernels import cpu, reference, triton
+from sluice_kernels.cpu import binding
 from tests.kernels.common import TOLERANCES, paged_batch
 
 OPS = ("paged_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul")

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, sys
-import kernels
+import sluice_kernels as kernels
 from engine import EngineConfig, LLMEngine, SamplingParams
 assert kernels.MODE == sys.argv[2], kernels.MODE
 # A small budget and chunk cap force chunks over cached context and steps mixing them with decodes.
@@ -51,7 +51,7 @@ def _tokens(proc: subprocess.Popen) -> list[list[int]]:
 
 GRAPHS_SCRIPT = """
 import json, sys
-import kernels
+import sluice_kernels as kernels
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cuda_graphs import capture_sizes, token_sizes
 assert kernels.MODE == "triton", kernels.MODE

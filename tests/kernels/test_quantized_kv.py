@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu import attention as cpu_attention
-from kernels.cpu import elementwise as cpu_elementwise
-from kernels.triton import attention as triton_attention
-from kernels.triton import cache as triton_cache
+from sluice_kernels import reference
+from sluice_kernels.cpu import attention as cpu_attention
+from sluice_kernels.cpu import elementwise as cpu_elementwise
+from sluice_kernels.triton import attention as triton_attention
+from sluice_kernels.triton import cache as triton_cache
 from tests.kernels.common import DEVICE, DTYPES, TOLERANCES, PagedBatch, paged_batch
 
 QUANT = [torch.int8, torch.float8_e4m3fn]

@@ -1,4 +1,4 @@
-"""The native CPU paged attention (`kernels/cpu/attention.py`, `csrc/paged_attention_cpu.cpp`) equals the torch twin.
+"""The native CPU paged attention (`sluice_kernels/cpu/attention.py`, `csrc/paged_attention_cpu.cpp`) equals the torch twin.
 
 Every native build is checked: the default one (`-march=native`: the AVX-512 path on CPUs that have it, for head
 dims 32, 64 and 128), one compiled without AVX-512 (the AVX2 path for those dims) and one without AVX2, which takes
@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu import attention
-from kernels.cpu.binding import Native
+from sluice_kernels import reference
+from sluice_kernels.cpu import attention
+from sluice_kernels.cpu.binding import Native
 from tests.kernels.common import DTYPES, TOLERANCES, PagedBatch, paged_batch
 
 MIXED = ([1, 7, 1, 12, 1, 40, 0], [30, 9, 0, 0, 16, 25, 5])  # decodes, chunks, a whole prompt, an idle row

@@ -1,4 +1,4 @@
-"""`kernels/cpu/build.py` and `load()`: the sources ship with the package; without a compiler, or on a failed
+"""`sluice_kernels/cpu/build.py` and `load()`: the sources ship with the package; without a compiler, or on a failed
 build, `load()` says why, leaves nothing half-built, and the torch twins serve."""
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from pathlib import Path
 import tomllib
 import torch
 
-import kernels
-from kernels import cpu, reference
-from kernels.cpu import binding, build
+import sluice_kernels as kernels
+from sluice_kernels import cpu, reference
+from sluice_kernels.cpu import binding, build
 from tests.kernels.common import paged_batch
 
 
 def test_the_package_ships_every_kernel_source():
     """Non-editable installs (the Docker image) compile from the installed package: csrc must be package data."""
     root = Path(kernels.__file__).resolve().parents[1]
-    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels.cpu"]
-    shipped = {p for g in globs for p in (root / "kernels" / "cpu").glob(g)}
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["sluice_kernels.cpu"]
+    shipped = {p for g in globs for p in (root / "sluice_kernels" / "cpu").glob(g)}
     assert {*build.SOURCES, *build.HEADERS} <= shipped
     assert set(build.CSRC.iterdir()) - {build.CSRC / "__pycache__"} <= shipped
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu import elementwise
-from kernels.cpu.binding import Native
+from sluice_kernels import reference
+from sluice_kernels.cpu import elementwise
+from sluice_kernels.cpu.binding import Native
 from tests.kernels.common import DTYPES
 
 # Same roundings as the twins, so the only differences are fp32 summation order and exp: ~1 ulp of the dtype.

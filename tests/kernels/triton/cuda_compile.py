@@ -53,7 +53,7 @@ def _compile_instead_of_run(self: JITFunction, *args, grid, warmup, **kwargs):
 
 def compile_all() -> None:
     """Drives each launcher at real model shapes (tiny token counts: only shapes/dtypes matter)."""
-    from kernels import triton as K
+    from sluice_kernels import triton as K
 
     dtype = torch.bfloat16  # fp16 lowers the same way; fp32 (ieee dots) is compiled below
     for Hq, Hkv, D in ((32, 8, 128), (14, 2, 64)):  # Llama-8B-like; Qwen2-0.5B-like (GQA 7, padded to 8)

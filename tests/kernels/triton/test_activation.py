@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton import activation
+from sluice_kernels import reference
+from sluice_kernels.triton import activation
 from tests.kernels.common import DEVICE, DTYPES, TOLERANCES
 
 

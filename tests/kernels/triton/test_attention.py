@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import reference
-from kernels.triton import attention
+from sluice_kernels import reference
+from sluice_kernels.triton import attention
 from tests.kernels.common import DEVICE, DTYPES, TOLERANCES, paged_batch
 
 # (q_len, cached) per sequence; block size 8 makes most of them cross block boundaries.

@@ -1,7 +1,7 @@
 """The kernel ops the model forward calls (docs/architecture.md §8); `_backend` alone picks who serves each call.
 
-The backends share the ops' signatures: `kernels.triton` (CUDA tensors), `kernels.cpu` (native C++, once
-`cpu.load()` has built it: the engine does, on a CPU device) and `kernels.reference` (the torch twins).
+The backends share the ops' signatures: `sluice_kernels.triton` (CUDA tensors), `sluice_kernels.cpu` (native C++, once
+`cpu.load()` has built it: the engine does, on a CPU device) and `sluice_kernels.reference` (the torch twins).
 `SLUICE_KERNELS=auto|triton|torch` (read once, at import) forces one side: `torch` means the twins only;
 tests use `triton` with `TRITON_INTERPRET=1` to run the Triton kernels on CPU tensors.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu, reference
+from sluice_kernels import cpu, reference
 
 MODE = os.environ.get("SLUICE_KERNELS", "auto")
 if MODE not in ("auto", "triton", "torch"):
@@ -37,7 +37,7 @@ def _impl(op: str, t: torch.Tensor, cache_dtype: torch.dtype | None = None) -> C
     backend = _backend(op, t.device, t.dtype, cache_dtype)
     if backend == "triton":
         # imported on first use: CPU-only installs never import triton
-        from kernels import triton
+        from sluice_kernels import triton
 
         return getattr(triton, op)
     return getattr(cpu if backend == "cpu-native" else reference, op)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import QMAX
+from sluice_kernels.reference import QMAX
 
 LOG2E = 1.4426950408889634
 # Split-KV only pays when a decode batch leaves most SMs idle; below this many cached tokens per

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
-from kernels.cpu.binding import DTYPES, QUANTIZED, Native, need
+from sluice_kernels import reference
+from sluice_kernels.cpu.binding import DTYPES, QUANTIZED, Native, need
 
 
 def rms_norm(

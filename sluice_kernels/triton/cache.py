@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import QMAX
+from sluice_kernels.reference import QMAX
 
 
 @triton.jit

@@ -13,8 +13,8 @@ import itertools
 
 import torch
 
-from kernels import reference
-from kernels.cpu.binding import DTYPES, ERRORS, QUANTIZED, UNSUPPORTED, Native, need
+from sluice_kernels import reference
+from sluice_kernels.cpu.binding import DTYPES, ERRORS, QUANTIZED, UNSUPPORTED, Native, need
 
 MAX_Q_LEN = 16  # longer query runs (prefill chunks) go to _prefill_attention
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import build
+from sluice_kernels.cpu.build import build
 
 log = logging.getLogger("sluice.kernels")
 

@@ -1,4 +1,4 @@
-"""Torch twins of the kernels in `kernels/`: the CPU path and the ground truth for kernel tests.
+"""Torch twins of the kernels in `sluice_kernels/`: the CPU path and the ground truth for kernel tests.
 
 Every op here has the same signature and semantics as its Triton version (docs/architecture.md §8).
 Clarity over speed, but no per-token Python loops: one gather per sequence at most.
