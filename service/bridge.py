@@ -195,10 +195,15 @@ class EngineBridge:
 
     async def detokenize(self, client: Hashable, ids: list[int]) -> str:
         """The text of token ids (special tokens written out), on the tokenizer thread. Raises `RequestError`
-        (invalid_message) for an id outside the vocabulary."""
+        (invalid_message) for an id outside the vocabulary, or for more ids than the context holds: no prompt or
+        answer is longer, and a decode holds the interpreter's lock throughout (half a million ids: ~0.1 s of every
+        stream's time)."""
         processor = self._processor
         if self.fatal is not None or processor is None:
             raise RequestError("internal", "the engine is not running")
+        if len(ids) > self.max_model_len:
+            raise RequestError("invalid_message", f"{len(ids)} token ids: at most {self.max_model_len} (the context)",
+                               "tokens")
         known = min(processor.vocab_size, len(processor.tokenizer))  # (a model's rows past its tokenizer's: no text)
         if ids and not (0 <= min(ids) and max(ids) < known):
             raise RequestError("invalid_message", f"token ids must be in 0..{known - 1}", "tokens")

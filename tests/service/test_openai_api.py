@@ -588,7 +588,8 @@ def test_tokenize_and_detokenize(main_server: Server, client: openai.OpenAI, mod
                 ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
                 ("/tokenize", {"prompt": "x", "chat_template": "{{ 1 }}"}, 400, "chat_template"),
                 ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
-                ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]")):
+                ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
+                ("/detokenize", {"tokens": [1] * 4097}, 400, "tokens")):  # (more than the context holds)
             r = http.post(route, json=body)
             assert r.status_code == status and r.json()["error"]["param"] == param, (route, body, r.text)
 
