@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "model without one, or to show tools another way (vLLM's flag)")
     s.add_argument("--responses-store-mb", type=float, default=d.responses_store_mb, metavar="MB",
                    help="memory for the Responses API's stored responses (store: true, the default), which "
-                        "previous_response_id continues; least recently used out first, all lost on restart; 0: "
+                        "previous_response_id continues; when full, the least recently used of the client holding the "
+                        "most goes first; all lost on restart; 0: "
                         "none kept (default: %(default)s)")
     s.add_argument("--api-key", help="require this key on /v1/*, /tokenize, /detokenize and the WebSocket")
     s.add_argument("--allowed-origins", action="append", metavar="ORIGINS",

@@ -4,8 +4,8 @@ A response is one chat turn. Its `instructions`, the conversation of its `previo
 (messages, the model's function calls and their outputs) make a chat request, checked and sampled as
 /v1/chat/completions' are (`openai_api.chat_request`: tools, structured output, logprobs); the answer's text and tool
 calls become its output items, and a stream sends the Responses API's typed events. `store` (OpenAI's default: true)
-keeps the response in this server's memory (`ResponseStore`, bounded by --responses-store-mb, least recently used
-out first), so a later request continues it by id and GET / DELETE find it; a restart forgets them all.
+keeps the response in this server's memory (`ResponseStore`, bounded by --responses-store-mb, each client's share
+max-min fair), so a later request continues it by id and GET / DELETE find it; a restart forgets them all.
 """
 from __future__ import annotations
 
@@ -436,7 +436,8 @@ async def create_response(request: Request) -> Response:
                                 param="previous_response_id", code="previous_response_not_found")
             history = found
         chat, turn = as_chat(body, history, svc.config.reasoning_parser is not None)
-        req, chat_render = chat_request(svc, chat, _peer(request), api="responses")
+        client = _peer(request)
+        req, chat_render = chat_request(svc, chat, client, api="responses")
         store, loop = body.store is not False, asyncio.get_running_loop()
 
         def done(response: dict[str, Any], answer: _Message) -> None:
@@ -444,7 +445,7 @@ async def create_response(request: Request) -> Response:
             loop's, and keeps the response encoded."""
             if store:
                 loop.call_soon_threadsafe(svc.responses.put, response["id"], msgspec.json.encode(response),
-                                          [*turn, answer], body.previous_response_id)
+                                          [*turn, answer], body.previous_response_id, client)
 
         render = ResponsesRender(chat_render, body, svc.model_name, done, req.params)
         return await _generate(request, svc, [req], render, body)  # type: ignore[arg-type]

@@ -15,39 +15,55 @@ class _Stored:
     turn: list[_Message]  # its input messages, then its answer's (what a later turn's conversation takes from it)
     previous: str | None  # the response it continued
     size: int  # bytes: the body's and the turn's JSON
+    owner: str  # the client that made it (its address): whose share it takes
 
 
 class ResponseStore:
-    """Stored responses by id, at most `max_bytes` of their JSON (each response's, encoded, and its turn's); the least
-    recently used go first. A response keeps
+    """Stored responses by id, at most `max_bytes` of their JSON (each response's, encoded, and its turn's). A full
+    store makes room from the client holding the most bytes, its least recently used first: a lone client may fill the
+    whole store, but one that keeps storing can take no more than an equal share from the others (max-min fair, as
+    the scheduler's turns are), so it cannot push out their conversations. A response keeps
     only its own turn and its predecessor's id, so a conversation costs what its turns do, once; one whose earlier
     turns were evicted (or deleted) can no longer be continued."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._items: OrderedDict[str, _Stored] = OrderedDict()
+        self._items: dict[str, _Stored] = {}
+        self._owned: dict[str, OrderedDict[str, None]] = {}  # each owner's ids, least recently used first
+        self._owner_bytes: dict[str, int] = {}
         self._bytes = 0
 
-    def put(self, response_id: str, body: bytes, turn: list[_Message], previous: str | None) -> None:
+    def put(self, response_id: str, body: bytes, turn: list[_Message], previous: str | None,
+            owner: str = "-") -> None:
         size = len(body) + len(msgspec.json.encode(turn))
         if size > self.max_bytes:
             return  # (larger than the whole store: not kept, as with no store)
-        self._items[response_id] = _Stored(body, turn, previous, size)
+        self.delete(response_id)
+        self._items[response_id] = _Stored(body, turn, previous, size, owner)
+        self._owned.setdefault(owner, OrderedDict())[response_id] = None
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
         self._bytes += size
-        while self._bytes > self.max_bytes:
-            self._bytes -= self._items.popitem(last=False)[1].size
+        while self._bytes > self.max_bytes:  # (the new one too, if its owner now holds the most)
+            most = max(self._owner_bytes, key=self._owner_bytes.__getitem__)
+            self.delete(next(iter(self._owned[most])))
 
     def get(self, response_id: str) -> _Stored | None:
         stored = self._items.get(response_id)
         if stored is not None:
-            self._items.move_to_end(response_id)
+            self._owned[stored.owner].move_to_end(response_id)
         return stored
 
     def delete(self, response_id: str) -> bool:
         stored = self._items.pop(response_id, None)
-        if stored is not None:
-            self._bytes -= stored.size
-        return stored is not None
+        if stored is None:
+            return False
+        owned = self._owned[stored.owner]
+        del owned[response_id]
+        self._bytes -= stored.size
+        self._owner_bytes[stored.owner] -= stored.size
+        if not owned:
+            del self._owned[stored.owner], self._owner_bytes[stored.owner]
+        return True
 
     def conversation(self, response_id: str, max_messages: int) -> list[_Message] | None:
         """The messages of the conversation that `response_id` ended, oldest first; None if any of its turns is gone.

@@ -205,6 +205,47 @@ def test_the_store_keeps_what_its_bound_holds() -> None:
     assert store.delete("c11") and not store.delete("c11")
 
 
+def test_a_client_that_fills_the_store_evicts_its_own_responses() -> None:
+    """A full store makes room from the client holding the most: alone, one fills it all; beside it, a client storing
+    one response after another pushes out its own oldest, never the other's conversation, once it holds the most."""
+    store = ResponseStore(max_bytes=2_000)
+
+    def put(owner: str, i: int, previous: int | None = None) -> None:  # 200 bytes each: the store holds 10
+        store.put(f"{owner[0]}{i:02d}", b"x" * 117, [_Message("user", f"{i:03d}")],
+                  None if previous is None else f"{owner[0]}{previous:02d}", owner)
+
+    def flood() -> list[int]:
+        return [i for i in range(100) if store.get(f"f{i:02d}") is not None]
+
+    for i in range(10):
+        put("flood", i)
+    assert flood() == list(range(10))  # alone: the whole store
+    for i in range(3):
+        put("chat", i, i - 1 if i else None)
+    for i in range(10, 60):
+        put("flood", i)
+    assert len(store.conversation("c02", 10)) == 3 and flood() == list(range(53, 60))  # its newest, in what is left
+    put("chat", 3, 2)  # (the flood holds the most: room comes from it, not from the chat's oldest)
+    assert len(store.conversation("c03", 10)) == 4 and flood() == list(range(54, 60))
+    assert all(store.delete(f"c{i:02d}") for i in range(4))
+    for i in range(60, 70):  # (the chat gone: the flood may have it all again)
+        put("flood", i)
+    assert flood() == list(range(60, 70))
+
+
+def test_a_stored_response_is_its_clients(server) -> None:
+    """The store knows each response by the address of the client that made it (whose share it takes)."""
+    ids = {}
+    for address in ("127.0.0.1", "127.0.0.2"):
+        with httpx.Client(base_url=f"{server.url}/v1", timeout=60,
+                          transport=httpx.HTTPTransport(local_address=address)) as http:
+            r = http.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2})
+            assert r.status_code == 200, r.text
+            ids[address] = r.json()["id"]
+    store = server.app.state.service.responses
+    assert {address: store.get(i).owner for address, i in ids.items()} == {a: a for a in ids}
+
+
 def test_whole_and_streamed_answers_make_the_same_items(client: openai.OpenAI, server) -> None:
     """With tools the model may call (auto), the items come in the order the answer makes them, whole or streamed:
     its text, then its call; whitespace alone around a call makes no message. Every body is what the client's types
