@@ -365,7 +365,7 @@ def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:
     if o.logprobs:  # present only when the request asked for them
         tt = engine.token_text
         lps = [(lp.token_id, tt.name(lp.token_id), tt.bytes(lp.token_id), lp.logprob,
-                [(t, tt.name(t), tt.bytes(t), v) for t, v in lp.top]) for lp in o.logprobs]
+                tuple([(t, tt.name(t), tt.bytes(t), v) for t, v in lp.top])) for lp in o.logprobs]
     plps = None if o.prompt_logprobs is None else PromptScores.of(o.prompt_token_ids, o.prompt_logprobs)
     return Delivery(o.request_id, o.new_token_ids, o.text_delta, o.finish_reason if o.finished else None,
                     o.num_prompt_tokens, o.num_cached_tokens, lps, o.rng_state, plps)

@@ -219,3 +219,21 @@ async def test_a_device_that_fails_everything_loses_the_engine_and_its_kv(starte
     eng.runner.run = dead
     await rec.until(lambda: rec.lost is not None)
     assert "DeviceError" in rec.lost and not rec.kv_intact and not rec.failures()
+
+
+def test_a_deliverys_logprobs_are_left_out_of_the_collectors_work(tiny_model_dir) -> None:
+    """Logprobs kept until a long answer ends (a whole response's) are tuples of strings and numbers alone: the
+    collector stops tracking them, so they do not lengthen every full collection while the loop waits."""
+    import gc
+
+    from service.engine_thread import _delivery
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256))
+    eng.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, logprobs=5))
+    lps = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            lps += _delivery(eng, o).logprobs or []
+    for _ in range(3):  # (a pass untracks a tuple whose items it found untracked: one level of nesting each)
+        gc.collect()
+    assert len(lps) == 4 and all(len(entry[4]) == 5 and not gc.is_tracked(entry) for entry in lps)
