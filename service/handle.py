@@ -19,7 +19,7 @@ from service.protocol import ErrorCode
 # (token id, its name, its bytes, logprob, ((top token's id, name, bytes, logprob), ...)) per generated token
 # (engine/detokenizer.py TokenText: a token's own bytes may split a character; its name writes such bytes `\xNN`).
 # Tuples of strings and numbers alone: the collector stops tracking them, so a long answer's logprobs, kept until it
-# ends, do not make every full collection longer (n=128 choices of 300 tokens, each with 20 alternatives: 0.02-0.1 s
+# ends, do not make every full collection longer (n=128 choices of 300 tokens, each with 20 alternatives: 0.02-0.14 s
 # each, the loop waiting)
 TokenLogprobs = tuple[int, str, bytes, float, tuple[tuple[int, str, bytes, float], ...]]
 # a prompt token's: (id, name, bytes, logprob, rank, top, its piece of the prompt's text); the first token's logprob
