@@ -5,15 +5,17 @@ deleted; function tools, text formats and logprobs; what it cannot serve is refu
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import httpx
 import jsonschema
+import msgspec
 import openai
 import pytest
 
 from service.app import build_app
 from service.config import ServerConfig
-from service.response_store import ResponseStore, TooLong
+from service.response_store import _ENTRY, ResponseStore, TooLong
 from service.openai_schema import _Message
 from tests.service.conftest import in_process
 from tests.service.test_openai_tools import WEATHER
@@ -186,7 +188,7 @@ def test_what_cannot_be_served_is_refused(server, extra: dict, param: str) -> No
 def test_the_store_keeps_what_its_bound_holds() -> None:
     """Least recently used out first; a conversation one of whose turns is gone has no history; a response larger than
     the whole store is not kept."""
-    store = ResponseStore(max_bytes=2_000)
+    store = ResponseStore(max_bytes=2_000 + 11 * _ENTRY)  # (11 of the responses below)
 
     def put(i: str, previous: str | None = None, size: int = 100) -> None:
         store.put(i, b"x" * size, [_Message("user", i)], previous)
@@ -200,17 +202,41 @@ def test_the_store_keeps_what_its_bound_holds() -> None:
         put(f"c{i}")
         store.get("b")  # (b is used: a, the oldest, goes first)
     assert store.get("a") is None and store.conversation("b", 10) is None and store.get("b") is not None
-    put("huge", size=5_000)
+    put("huge", size=store.max_bytes)
     assert store.get("huge") is None
     assert store.delete("c11") and not store.delete("c11")
+
+
+def test_the_store_holds_no_more_memory_than_its_bound() -> None:
+    """What the store counts is what it holds: turns of many short messages (objects would take 2-4x their JSON) and
+    many small responses each from a client of its own (their records and orders) stay within the bound."""
+    def turn(n: int) -> list[_Message]:  # (as a request's body decodes: objects of their own)
+        return msgspec.json.decode(json.dumps([{"role": "user", "content": "a"}] * n), type=list[_Message])
+
+    tracemalloc.start()
+    try:
+        for size, owners, puts in ((2_000, 1, 100), (2, 10_000, 10_000)):
+            store = ResponseStore(max_bytes=4 << 20)
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(puts):
+                store.put(f"resp_{i:032x}", json.dumps({"id": f"resp_{i:032x}"}).encode() * 2, turn(size),
+                          f"resp_{i - 1:032x}" if i else None, f"10.0.{i % owners // 256}.{i % owners % 256}")
+                if store._bytes < store.max_bytes * 0.9:
+                    continue
+                held = tracemalloc.get_traced_memory()[0] - before
+                assert held <= store.max_bytes, (size, owners, held)
+            assert store.get(f"resp_{i:032x}").turn == turn(size)
+            del store
+    finally:
+        tracemalloc.stop()
 
 
 def test_a_client_that_fills_the_store_evicts_its_own_responses() -> None:
     """A full store makes room from the client holding the most: alone, one fills it all; beside it, a client storing
     one response after another pushes out its own oldest, never the other's conversation, once it holds the most."""
-    store = ResponseStore(max_bytes=2_000)
+    store = ResponseStore(max_bytes=10 * (200 + _ENTRY))
 
-    def put(owner: str, i: int, previous: int | None = None) -> None:  # 200 bytes each: the store holds 10
+    def put(owner: str, i: int, previous: int | None = None) -> None:  # 200 bytes each and _ENTRY: the store holds 10
         store.put(f"{owner[0]}{i:02d}", b"x" * 117, [_Message("user", f"{i:03d}")],
                   None if previous is None else f"{owner[0]}{previous:02d}", owner)
 
