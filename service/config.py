@@ -81,6 +81,8 @@ class ServerConfig:
     timeout_headers: float = 10.0
     timeout_body: float = 30.0
     timeout_keep_alive: int = 5
+    ws_ping_interval: float = 20.0
+    ws_ping_timeout: float = 20.0
     max_inflight_per_connection: int = 16
     max_queued_requests: int = 1024
     max_message_bytes: int = 1 << 20
@@ -96,7 +98,8 @@ class ServerConfig:
                      "max_http_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("timeout_auth", "timeout_headers", "timeout_body", "timeout_keep_alive"):
+        for name in ("timeout_auth", "timeout_headers", "timeout_body", "timeout_keep_alive", "ws_ping_interval",
+                     "ws_ping_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_connections is not None and self.max_connections < 1:
@@ -355,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an HTTP request body may pause between bytes, 408 after (default: %(default)s)")
     s.add_argument("--timeout-keep-alive", type=int, default=d.timeout_keep_alive,
                    help="seconds an idle HTTP connection stays open waiting for a request (default: %(default)s)")
+    s.add_argument("--ws-ping-interval", type=float, default=d.ws_ping_interval,
+                   help="seconds between the server's keepalive pings on a WebSocket (default: %(default)s)")
+    s.add_argument("--ws-ping-timeout", type=float, default=d.ws_ping_timeout,
+                   help="seconds a keepalive ping may go unanswered before the socket is closed 1011, and dropped if "
+                        "its output is still unsent (default: %(default)s)")
     s.add_argument("--max-inflight-per-connection", type=int, default=d.max_inflight_per_connection,
                    help="most concurrent chats on one WebSocket (default: %(default)s)")
     s.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,

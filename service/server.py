@@ -90,6 +90,7 @@ def serve(config: ServerConfig) -> int:
         ws_per_message_deflate=False,  # compression costs CPU per token frame and enables zip-bomb frames
         ws_max_size=config.max_message_bytes, lifespan="on", log_level=config.log_level,
         timeout_keep_alive=config.timeout_keep_alive,
+        ws_ping_interval=config.ws_ping_interval, ws_ping_timeout=config.ws_ping_timeout,
         ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile, ssl_ca_certs=config.ssl_ca_certs,
         ssl_cert_reqs=config.ssl_cert_reqs,
         timeout_graceful_shutdown=2,  # after our own drain only the last bytes of HTTP responses remain

@@ -281,6 +281,23 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
         self.transport.write(b"".join(self.conn.data_to_send()))
         return True
 
+    def keepalive_timeout(self) -> None:
+        super().keepalive_timeout()
+        self._abort_unless_drained()
+
+    def _abort_unless_drained(self) -> None:
+        """`transport.close()` waits until the write buffer is sent; for a peer that reads nothing it never is, and the
+        socket would stay open for ever, its chats running, its memory and its connection slot held. Past its
+        deadline (a keepalive ping unanswered, or a close handshake not finished in `close_timeout`) a socket with
+        bytes still unsent is dropped."""
+        if not self.disconnected and self.transport.get_write_buffer_size():
+            self.transport.abort()
+
+    def _close_or_abort(self) -> None:
+        self.close_timer = None
+        self.transport.close()
+        self._abort_unless_drained()
+
     def send_receive_event_to_app(self) -> None:
         if self.curr_msg_data_type == "text" and not self.close_sent:
             try:
@@ -295,5 +312,8 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
 
     async def send(self, message: Any) -> None:
         await super().send(message)
+        if message["type"] == "websocket.close" and self.close_timer is not None:  # (as keepalive_timeout's close)
+            self.close_timer.cancel()
+            self.close_timer = self.loop.call_later(self.close_timeout, self._close_or_abort)
         if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
             self.handshake_complete = True

@@ -9,10 +9,14 @@ MARGIN, a deadline only a very slow host could miss. Random choices are seeded; 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
+import os
 import random
+import re
 import signal
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -430,3 +434,35 @@ async def test_a_large_first_frame_is_refused_unread(guarded: Server) -> None:
     assert (await recv(ws))["type"] == "ready"
     await ws.close()
     await wait_websockets(guarded, 0)
+
+
+async def test_a_socket_that_reads_nothing_is_dropped_at_its_keepalive_deadline(tiny_model_dir, tmp_path) -> None:
+    """A client that never reads, with more output owed to it than the sockets' buffers hold, and that answers no
+    keepalive ping: at the ping's deadline its socket is dropped and its chat stopped (closing it alone waited for
+    the unsent bytes for ever, keeping the chat, the memory and the connection's slot)."""
+    server = start_server(tmp_path, *MODEL_FLAGS, "--ws-ping-interval=1", "--ws-ping-timeout=1")
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(f"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                     "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        frames = [json.dumps(user_chat("long", "go", max_tokens=LONG, ignore_eos=True))] + [json.dumps({"type": "ping", "data": "x" * 900_000})] * 16
+        for text in frames:  # (masked client frames; nothing is read from here on)
+            data = text.encode()
+            writer.write(bytes([0x81, 0xFF]) + len(data).to_bytes(8, "big") + bytes(4) + data)
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            async with asyncio.timeout(5):
+                await writer.drain()
+        await wait_websockets(server, 0, timeout=MARGIN + 2)
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            async with asyncio.timeout(MARGIN):  # (its chat stopped, not run to its end: LONG tokens take far longer)
+                while not re.search(r"^sluice_num_running 0", (await http.get("/metrics")).text, re.MULTILINE):
+                    await asyncio.sleep(0.1)
+        writer.transport.abort()
+    finally:
+        assert server.stop() == 0, server.log_tail(60)
