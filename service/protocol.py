@@ -290,16 +290,27 @@ def decode_client(frame: str | bytes) -> ClientMessage | Error:
     try:
         return _decoder.decode(frame)
     except msgspec.ValidationError as e:
-        return Error(code="invalid_message", message=f"frame does not match the protocol: {e}",
+        return Error(code="invalid_message", message=f"frame does not match the protocol: {_short(str(e))}",
                      id=_chat_id_of(frame))
     except msgspec.DecodeError as e:
         if (surrogate := json_guard.surrogate_error(frame)) is not None:
             # the id, unless it holds a surrogate itself: then it reads differently with another stand-in for it
             one, other = (_chat_id_of(json_guard.without_unpaired_surrogates(frame, stand_in))
                           for stand_in in (b"\\ufffd", b"\\ufffe"))
-            return Error(code="invalid_message", message=f"frame does not match the protocol: {surrogate}",
+            return Error(code="invalid_message", message=f"frame does not match the protocol: {_short(surrogate)}",
                          id=one if one == other else None)
-        return Error(code="invalid_json", message=f"frame is not valid JSON: {e}")
+        return Error(code="invalid_json", message=f"frame is not valid JSON: {_short(str(e))}")
+
+
+ERROR_DETAIL_CHARS = 256
+
+
+def _short(detail: str) -> str:
+    """A decoder's message quotes what it refused (a field's name, a tag's value: a megabyte of it in a hostile
+    frame); replies are queued for a client that may read nothing, so each is kept short."""
+    if len(detail) <= ERROR_DETAIL_CHARS:
+        return detail
+    return f"{detail[:ERROR_DETAIL_CHARS]}... ({len(detail) - ERROR_DETAIL_CHARS} more characters)"
 
 
 def _chat_id_of(frame: str | bytes) -> str | None:

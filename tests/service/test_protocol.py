@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.protocol import (
-    Cancel, Chat, Done, Error, Hello, Ping, Pong, Ready, StatsRequest, Timing, Usage, decode_client, encode,
+    ERROR_DETAIL_CHARS, Cancel, Chat, Done, Error, Hello, Ping, Pong, Ready, StatsRequest, Timing, Usage, decode_client,
+    encode,
 )
 
 json_values = st.recursive(
@@ -137,3 +138,11 @@ def test_structured_output_fields() -> None:
         with pytest.raises(InvalidSamplingParam) as e:
             structured_output(**{field: value})
         assert e.value.param == field
+
+
+def test_an_error_quotes_at_most_a_little_of_the_frame() -> None:
+    """A megabyte field name or tag value is not echoed back: errors are queued for clients that may read nothing."""
+    for frame in ('{"type": "ping", "%s": 1}' % ("x" * 1_000_000), '{"type": "%s"}' % ("y" * 1_000_000)):
+        err = decode_client(frame)
+        assert isinstance(err, Error) and err.code in ("invalid_message", "invalid_json"), err
+        assert len(err.message) < 2 * ERROR_DETAIL_CHARS and "more characters" in err.message, err.message[:300]
