@@ -196,7 +196,9 @@ class ChatRender(_Base):
         reason = _finish_reason(h)
         if self.tools is not None:
             content, calls = openai_tools.answer(self.tools, text)
-            message["content"] = echo + content if content is not None else (echo or None)
+            # (all reasoning, as above: null)
+            message["content"] = (echo + content if content is not None and (echo or content or self.reasoning is None)
+                                  else (echo or None))
             if calls:
                 message["tool_calls"] = calls
             reason = openai_tools.finish_reason(self.tools, reason, bool(calls))

@@ -243,7 +243,8 @@ def answer(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         content = "".join(d.get("content", "") for d in deltas)
         if not calls:
             return text, []
-        return content.strip() or None, [{k: v for k, v in c.items() if k != "index"} for c in calls]
+        # (the text around the calls as streamed; none where only whitespace separates them)
+        return content if content.strip() else None, [{k: v for k, v in c.items() if k != "index"} for c in calls]
     return text, []
 
 

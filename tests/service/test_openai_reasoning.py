@@ -243,7 +243,8 @@ def test_deepseek_r1_reasons_freely_before_a_grammar(tools_model_dir) -> None:
     """Under deepseek_r1 the template opened <think>: the reasoning is free, a grammar holds only the answer after
     </think> (engine/structured.py `after`; the tiny model never writes it, so its whole answer is reasoning)."""
     config = ServerConfig(model=str(tools_model_dir), served_model_name="r1", num_kv_blocks=256, max_model_len=1024,
-                          engine_process=False, reasoning_parser="deepseek_r1")
+                          engine_process=False, reasoning_parser="deepseek_r1", enable_auto_tool_choice=True,
+                          tool_call_parser="hermes")
     with in_process(build_app(config), "r1-server") as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
         # the WebSocket chat: the reasoning's text as its deltas' `reasoning`, split as the OpenAI routes split it
@@ -256,6 +257,8 @@ def test_deepseek_r1_reasons_freely_before_a_grammar(tools_model_dir) -> None:
                                                    r.choices[0].message.content or "")
         assert r.usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens == 12  # (all of it)
         assert r.choices[0].message.content is None  # (no content at all: null, as vLLM's)
+        r = client.chat.completions.create(model="r1", messages=user, max_tokens=12, temperature=0, tools=TOOLS)
+        assert r.choices[0].message.content is None and not r.choices[0].message.tool_calls  # (so with auto tools)
         # held to JSON after its reasoning: the reasoning is the free answer's text (the grammar is not reached)
         frames = asyncio.run(_ws_chat(s, messages=user, max_tokens=12, temperature=0.0,
                                       response_format={"type": "json_object"}))
