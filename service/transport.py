@@ -260,6 +260,7 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.conn.logger = _DebugInfo(self.conn.logger, {})
+        self._paused_for_writes = False
 
     def handle_connect(self, event: h11.Request) -> None:
         super().handle_connect(event)
@@ -280,6 +281,22 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
             return False
         self.transport.write(b"".join(self.conn.data_to_send()))
         return True
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self.writable.is_set() and not self.transport.is_closing() and not self._paused_for_writes:
+            # uvicorn writes a pong for every ping at once, past the write buffer's high water mark: a client that
+            # sends pings and reads nothing grew the server's memory without bound. While the buffer is over the
+            # mark nothing more is read, so its frames wait in TCP.
+            self._paused_for_writes = True
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._paused_for_writes:
+            self._paused_for_writes = False
+            if not self.read_paused and not self.transport.is_closing():
+                self.transport.resume_reading()
 
     def keepalive_timeout(self) -> None:
         super().keepalive_timeout()

@@ -466,3 +466,29 @@ async def test_a_socket_that_reads_nothing_is_dropped_at_its_keepalive_deadline(
         writer.transport.abort()
     finally:
         assert server.stop() == 0, server.log_tail(60)
+
+
+async def test_a_ping_flood_from_a_client_that_reads_nothing_is_held_back_by_tcp(guarded: Server) -> None:
+    """WebSocket pings from a client that reads none of the pongs (no key needed): once the pongs it owes fill the
+    socket's write buffer the server reads no more, so the client's sends stop (its memory was the flood's size)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", guarded.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(f"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                 "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+    ping = bytes([0x89, 0x80 | 125]) + bytes(4) + b"p" * 125  # (masked with zeros)
+    chunk, sent = ping * (1 << 20 // len(ping)), 0
+    try:
+        with pytest.raises(TimeoutError):  # (without the bound the server took all 64 MB in a few seconds)
+            async with asyncio.timeout(MARGIN):
+                while sent < 64 << 20:
+                    writer.write(chunk)
+                    await writer.drain()
+                    sent += len(chunk)
+        assert sent < 32 << 20, sent
+    finally:
+        writer.transport.abort()
