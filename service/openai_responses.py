@@ -10,6 +10,7 @@ max-min fair), so a later request continues it by id and GET / DELETE find it; a
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -432,8 +433,11 @@ async def create_response(request: Request) -> Response:
                 raise HTTPError(400, f"{e}: more than the context ({svc.bridge.max_model_len} tokens) holds",
                                 param="previous_response_id", code="context_length_exceeded") from None
             if found is None:
-                raise HTTPError(400, f"Previous response with id '{body.previous_response_id}' not found.",
-                                param="previous_response_id", code="previous_response_not_found")
+                message = (f"Previous response with id '{body.previous_response_id}' not found."
+                           if svc.responses.get(body.previous_response_id) is None else
+                           f"An earlier turn of the conversation of previous response '{body.previous_response_id}' "
+                           "is gone (deleted, or evicted from the store); it can no longer be continued.")
+                raise HTTPError(400, message, param="previous_response_id", code="previous_response_not_found")
             history = found
         chat, turn = as_chat(body, history, svc.config.reasoning_parser is not None)
         client = _peer(request)
@@ -463,6 +467,8 @@ def _renamed(e: HTTPError) -> HTTPError:
     """An error of the chat path, naming the Responses API's field: `messages[i]...` (its instructions, the stored
     conversation and the input together) is `input`."""
     if e.param is not None and e.code != "unsupported_parameter":  # (`_refuse` names what the client sent)
+        if (name := _PARAMS.get(e.param)) is not None:  # (the message names the field too)
+            e.message = re.sub(rf"\b{re.escape(e.param)}\b", name, e.message)
         e.param = "input" if e.param.startswith("messages") else _PARAMS.get(e.param, e.param)
     return e
 

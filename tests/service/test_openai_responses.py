@@ -107,6 +107,7 @@ def test_stored_responses_continue_and_can_be_read_and_deleted(client: openai.Op
         # a conversation whose turn is gone cannot go on
         r = http.post("/responses", json={"model": MODEL, "input": "More.", "previous_response_id": second.id})
         assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
+        assert "earlier turn" in r.json()["error"]["message"], r.text  # (the response itself is still there)
         # store false: answered, not kept
         r = http.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2, "store": False})
         assert r.status_code == 200 and r.json()["store"] is False
@@ -183,6 +184,8 @@ def test_what_cannot_be_served_is_refused(server, extra: dict, param: str) -> No
     with httpx.Client(base_url=f"{server.url}/v1", timeout=60) as http:
         r = http.post("/responses", json={"model": MODEL, "input": "Hi", **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    if param == "max_output_tokens":  # (the message names it so too)
+        assert "max_output_tokens" in r.json()["error"]["message"] and "max_tokens" not in r.text, r.text
 
 
 def test_the_store_keeps_what_its_bound_holds() -> None:
