@@ -94,7 +94,12 @@ def _peer(request: Request) -> str:
     return request.client.host if request.client else "-"
 
 
+_STARTING = "the server is starting or shutting down; retry shortly"
+
+
 def _check_common(svc: Service, body: CommonRequest) -> None:
+    if not svc.model_name:  # (before the engine is ready, without --served-model-name: no name to compare yet)
+        raise HTTPError(503, _STARTING)
     if body.model != svc.model_name:
         raise HTTPError(404, f"The model `{body.model}` does not exist; this server serves `{svc.model_name}`.",
                         param="model", code="model_not_found")
@@ -108,7 +113,7 @@ def _check_common(svc: Service, body: CommonRequest) -> None:
         raise HTTPError(400, "truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds)",
                         param="truncate_prompt_tokens")
     if not svc.accepting:
-        raise HTTPError(503, "the server is starting or shutting down; retry shortly")
+        raise HTTPError(503, _STARTING)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -276,21 +281,27 @@ async def detokenize(request: Request) -> Response:
 
 
 def _check_tokenizer(svc: Service, model: str | None) -> None:
+    if not svc.model_name:
+        raise HTTPError(503, _STARTING)
     if model is not None and model != svc.model_name:
         raise HTTPError(404, f"The model `{model}` does not exist; this server serves `{svc.model_name}`.",
                         param="model", code="model_not_found")
     if not svc.bridge.ready:
-        raise HTTPError(503, "the server is starting or shutting down; retry shortly")
+        raise HTTPError(503, _STARTING)
 
 
 async def models(request: Request) -> Response:
     svc: Service = request.app.state.service
+    if not svc.bridge.ready:  # (its name and context are the engine's: not known yet, or no longer served)
+        return _error(HTTPError(503, _STARTING))
     return Response(msgspec.json.encode({"object": "list", "data": [_card(svc)]}), media_type="application/json")
 
 
 async def model(request: Request) -> Response:
     """`GET /v1/models/{model}`: OpenAI's "retrieve model"."""
     svc: Service = request.app.state.service
+    if not svc.bridge.ready:
+        return _error(HTTPError(503, _STARTING))
     if request.path_params["model"] != svc.model_name:
         return _error(HTTPError(404, f"The model `{request.path_params['model']}` does not exist; this server serves "
                                      f"`{svc.model_name}`.", param="model", code="model_not_found"))

@@ -643,6 +643,20 @@ def test_a_bug_is_a_500_in_openais_shape(tiny_model_dir, monkeypatch) -> None:
     assert "a bug" not in r.text  # (the traceback goes to the log, not to the client)
 
 
+def test_before_the_engine_is_ready_the_api_says_retry(tiny_model_dir) -> None:
+    """While the engine starts the model's name is not known: /v1/models and a request naming the model answer 503
+    (retryable), not a model with no name or a 404 that clients do not retry."""
+    from starlette.testclient import TestClient
+
+    app = build_app(ServerConfig(model=str(tiny_model_dir), engine_process=False))
+    http = TestClient(app, raise_server_exceptions=False)  # (no lifespan: no engine starts)
+    for r in (http.get("/v1/models"), http.get("/v1/models/tiny"),
+              http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]}),
+              http.post("/v1/completions", json={"model": "tiny", "prompt": "x"}),
+              http.post("/tokenize", json={"model": "tiny", "prompt": "x"})):
+        assert r.status_code == 503 and "retry" in r.json()["error"]["message"], (r.request.url, r.text)
+
+
 def test_content_parts_are_text_joined_by_newlines(client: openai.OpenAI, model: str) -> None:
     """A message's content may be a list of text parts (text, input_text, output_text, and an assistant's refusal,
     replayed): joined by newlines, as vLLM joins them; another part is a 400 naming it."""
