@@ -92,6 +92,21 @@ async def _raw(server: Server, data: bytes = b"") -> tuple[asyncio.StreamReader,
     return reader, writer
 
 
+async def _raw_upgraded(server: Server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket upgraded by hand on a socket with a small receive buffer, for clients that read little or nothing
+    (frames are written raw: masked, as a client's must be)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(f"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                 "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+    return reader, writer
+
+
 async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Close our side and wait for the server to close its own, so it no longer counts the connection."""
     writer.write_eof()
@@ -442,16 +457,9 @@ async def test_a_socket_that_reads_nothing_is_dropped_at_its_keepalive_deadline(
     the unsent bytes for ever, keeping the chat, the memory and the connection's slot)."""
     server = start_server(tmp_path, *MODEL_FLAGS, "--ws-ping-interval=1", "--ws-ping-timeout=1")
     try:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-        reader, writer = await asyncio.open_connection(sock=sock)
-        writer.write(f"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                     f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
-                     "Sec-WebSocket-Version: 13\r\n\r\n".encode())
-        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
-        frames = [json.dumps(user_chat("long", "go", max_tokens=LONG, ignore_eos=True))] + [json.dumps({"type": "ping", "data": "x" * 900_000})] * 16
+        reader, writer = await _raw_upgraded(server)
+        frames = [json.dumps(user_chat("long", "go", max_tokens=LONG, ignore_eos=True))]
+        frames += [json.dumps({"type": "ping", "data": "x" * 900_000})] * 16
         for text in frames:  # (masked client frames; nothing is read from here on)
             data = text.encode()
             writer.write(bytes([0x81, 0xFF]) + len(data).to_bytes(8, "big") + bytes(4) + data)
@@ -471,17 +479,9 @@ async def test_a_socket_that_reads_nothing_is_dropped_at_its_keepalive_deadline(
 async def test_a_ping_flood_from_a_client_that_reads_nothing_is_held_back_by_tcp(guarded: Server) -> None:
     """WebSocket pings from a client that reads none of the pongs (no key needed): once the pongs it owes fill the
     socket's write buffer the server reads no more, so the client's sends stop (its memory was the flood's size)."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", guarded.port))
-    reader, writer = await asyncio.open_connection(sock=sock)
-    writer.write(f"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                 f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
-                 "Sec-WebSocket-Version: 13\r\n\r\n".encode())
-    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+    reader, writer = await _raw_upgraded(guarded)
     ping = bytes([0x89, 0x80 | 125]) + bytes(4) + b"p" * 125  # (masked with zeros)
-    chunk, sent = ping * (1 << 20 // len(ping)), 0
+    chunk, sent = ping * ((1 << 20) // len(ping)), 0  # (~1 MB a write)
     try:
         with pytest.raises(TimeoutError):  # (without the bound the server took all 64 MB in a few seconds)
             async with asyncio.timeout(MARGIN):
