@@ -80,6 +80,7 @@ class ServerConfig:
     timeout_auth: float = 10.0
     timeout_headers: float = 10.0
     timeout_body: float = 30.0
+    timeout_send: float = 30.0
     timeout_keep_alive: int = 5
     ws_ping_interval: float = 20.0
     ws_ping_timeout: float = 20.0
@@ -98,8 +99,8 @@ class ServerConfig:
                      "max_http_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("timeout_auth", "timeout_headers", "timeout_body", "timeout_keep_alive", "ws_ping_interval",
-                     "ws_ping_timeout"):
+        for name in ("timeout_auth", "timeout_headers", "timeout_body", "timeout_send", "timeout_keep_alive",
+                     "ws_ping_interval", "ws_ping_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_connections is not None and self.max_connections < 1:
@@ -356,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an HTTP connection has to send a whole request head, 408 after (default: %(default)s)")
     s.add_argument("--timeout-body", type=float, default=d.timeout_body,
                    help="seconds an HTTP request body may pause between bytes, 408 after (default: %(default)s)")
+    s.add_argument("--timeout-send", type=float, default=d.timeout_send,
+                   help="seconds an HTTP response may wait on a client that takes none of it (its output over the "
+                        "socket's buffer), then the connection is dropped (default: %(default)s)")
     s.add_argument("--timeout-keep-alive", type=int, default=d.timeout_keep_alive,
                    help="seconds an idle HTTP connection stays open waiting for a request (default: %(default)s)")
     s.add_argument("--ws-ping-interval", type=float, default=d.ws_ping_interval,

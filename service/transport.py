@@ -1,9 +1,10 @@
 """uvicorn's protocol classes with Sluice's connection guards (docs/protocol.md §8).
 
 HTTP (h11): a request head must be whole within `--timeout-headers` of the connection going idle, a body
-may pause at most `--timeout-body`, and at most `--max-http-connections` are open (a WebSocket leaves the
-count at its upgrade). At the bound, the connection that has waited longest on its client (for a head or a
-body) is closed to make room; only when every one is running a request does a new one get 503.
+may pause at most `--timeout-body`, a response whose client takes none of it at most `--timeout-send`, and at
+most `--max-http-connections` are open (a WebSocket leaves the count at its upgrade). At the bound, the
+connection that has waited longest on its client (for a head, a body, or to read its response) is closed to
+make room; only when every one is running a request does a new one get 503.
 WebSocket (websockets-sansio): neither an upgrade refused with a denial response nor a text frame that is
 not UTF-8 is logged as an error, and each upgrade gets uvicorn's one log line, not websockets' own besides.
 """
@@ -28,17 +29,19 @@ log = logging.getLogger("sluice.transport")
 # the ASGI scope extension under which SluiceWebSocketProtocol offers `send_text_now` (service/ws.py uses it)
 SEND_TEXT_NOW = "sluice.send_text_now"
 
-# Where a connection is: waiting on its client for a request head or the rest of a body, or the app answers.
-Phase = Literal["head", "body", "busy"]
+# Where a connection is: waiting on its client for a request head or the rest of a body, or for it to read the
+# response (the socket's write buffer is over its high water mark), or the app answers.
+Phase = Literal["head", "body", "send", "busy"]
 
 
 class HttpGuard:
     """One server's open HTTP connections and their deadlines (the flags of the same names)."""
 
-    def __init__(self, timeout_headers: float, timeout_body: float, max_connections: int) -> None:
-        assert timeout_headers > 0 and timeout_body > 0 and max_connections >= 1
+    def __init__(self, timeout_headers: float, timeout_body: float, timeout_send: float, max_connections: int) -> None:
+        assert timeout_headers > 0 and timeout_body > 0 and timeout_send > 0 and max_connections >= 1
         self.timeout_headers = timeout_headers
         self.timeout_body = timeout_body
+        self.timeout_send = timeout_send
         self.max_connections = max_connections
         self._waiting: dict[GuardedH11Protocol, None] = {}  # on their client, longest-waiting first
         self._busy: set[GuardedH11Protocol] = set()
@@ -101,6 +104,9 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._phase: Phase | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._send_deadline: asyncio.TimerHandle | None = None  # while bytes wait on the client (`_watch_send`)
+        self._unsent = 0  # the write buffer's size when that deadline was set
+        self._upgraded = False
         # h11 bounds a head only while it is still arriving (its incomplete-event buffer): one that comes whole in a
         # single read of up to 64 KB would pass. Checked here on every head, whole: uvicorn answers 400 and closes.
         limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # (uvicorn's rule)
@@ -141,6 +147,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_deadline(None)
+        self._stop_send_deadline()
         self.guard.leave(self)
         if not self._done and self._phase == "body" and self.cycle is not None and not self.cycle.response_complete:
             log.info("%s: %s: the client closed the connection before sending the whole body",
@@ -155,8 +162,22 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self._follow()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._follow()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._follow()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._watch_send()
+
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._set_deadline(None)
+        self._stop_send_deadline()
+        self._upgraded = True
         self.guard.leave(self)  # WebSockets are bounded by --max-connections and --max-pending-auth
         self._done = True
         super().handle_websocket_upgrade(event)
@@ -164,6 +185,7 @@ class GuardedH11Protocol(H11Protocol):
     # ---- the guard -------------------------------------------------------------------------------
     def _follow(self, data_arrived: bool = False) -> None:
         """Track h11's state: which deadline runs, and whether the guard may evict this connection."""
+        self._watch_send()
         if self._done or self.transport.is_closing():
             return
         if self.conn.their_state is h11.SEND_BODY and self.conn.our_state in (h11.DONE, h11.MUST_CLOSE):
@@ -177,7 +199,7 @@ class GuardedH11Protocol(H11Protocol):
         elif self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
             phase = "head"
         else:
-            phase = "busy"
+            phase = "send" if self.flow.write_paused else "busy"
         if phase != self._phase:
             self._phase = phase
             self.guard.enter(self, phase)
@@ -194,6 +216,42 @@ class GuardedH11Protocol(H11Protocol):
         if self._deadline is not None:
             self._deadline.cancel()
         self._deadline = None if delay is None or callback is None else self.loop.call_later(delay, callback)
+
+    def _watch_send(self) -> None:
+        """Bytes waiting on the client, that the socket may never take: a response over the write buffer's high water
+        mark (uvicorn's flow control then holds the app), or a closing connection's last output (`transport.close()`
+        waits for it to be sent). Either must make progress every `--timeout-send`, else the connection is dropped;
+        without, a client that reads nothing held its connection, its slot and its request for ever."""
+        if self._upgraded:
+            return
+        unsent = self.transport.get_write_buffer_size()
+        if not unsent or not (self.flow.write_paused or self.transport.is_closing()):
+            self._stop_send_deadline()
+        elif self._send_deadline is None:
+            self._unsent = unsent
+            self._send_deadline = self.loop.call_later(self.guard.timeout_send, self._send_timeout)
+
+    def _stop_send_deadline(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
+    def _send_timeout(self) -> None:
+        self._send_deadline = None
+        unsent = self.transport.get_write_buffer_size()
+        if unsent < self._unsent:  # the client took some: a new period
+            self._watch_send()
+            return
+        log.info("%s: %s: the client took none of the response for %g s (--timeout-send): dropped", self._peer,
+                 self._request_line(), self.guard.timeout_send)
+        self._drop()
+
+    def _drop(self) -> None:
+        """Closed now, unsent bytes and all; the app, if running, reads a disconnect (uvicorn's `connection_lost`)."""
+        self._done = True
+        self._set_deadline(None)
+        self._stop_send_deadline()
+        self.transport.abort()
 
     def _head_timeout(self) -> None:
         if not self._has_partial_request():
@@ -214,7 +272,17 @@ class GuardedH11Protocol(H11Protocol):
                                   "invalid_request_error"))
 
     def evict(self) -> None:
-        """Closed to make room for a new connection; the guard has already stopped counting it."""
+        """Closed to make room for a new connection; the guard has already stopped counting it, so nothing of it may
+        linger: output the client has not taken is dropped with it."""
+        if self._phase == "send":
+            log.info("%s: %s: closed while its client was not reading the response, to make room "
+                     "(--max-http-connections %d)", self._peer, self._request_line(), self.guard.max_connections)
+            self._drop()
+            return
+        if self.transport.get_write_buffer_size():
+            log.debug("%s: idle connection with output unread closed to make room (--max-http-connections)", self._peer)
+            self._drop()
+            return
         if not self._has_partial_request():
             log.debug("%s: idle connection closed to make room (--max-http-connections)", self._peer)
             self._close()

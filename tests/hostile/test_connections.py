@@ -35,7 +35,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 GOOD_ORIGIN, EVIL_ORIGIN = "http://good.example", "http://evil.example"
 MODEL_FLAGS = ["--num-kv-blocks=256", "--max-model-len=1024"]
 LONG = 1024 - 128  # a completion that cannot finish before the test hangs up on it
-TIMEOUT = 1  # --timeout-headers, --timeout-body and --timeout-keep-alive of `guarded`, in seconds
+TIMEOUT = 1  # --timeout-headers, --timeout-body, --timeout-send and --timeout-keep-alive of `guarded`, in seconds
 TIMEOUT_AUTH = 2  # its --timeout-auth
 MARGIN = 10.0
 MAX_CONNECTIONS, MAX_PENDING = 2, 4  # of `guarded`
@@ -47,7 +47,8 @@ def guarded(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     server = start_server(
         tmp_path_factory.mktemp("hostile-guarded"), *MODEL_FLAGS, f"--max-connections={MAX_CONNECTIONS}",
         f"--max-pending-auth={MAX_PENDING}", f"--timeout-auth={TIMEOUT_AUTH}", f"--timeout-headers={TIMEOUT}",
-        f"--timeout-body={TIMEOUT}", f"--timeout-keep-alive={TIMEOUT}", f"--allowed-origins={GOOD_ORIGIN}",
+        f"--timeout-body={TIMEOUT}", f"--timeout-send={TIMEOUT}", f"--timeout-keep-alive={TIMEOUT}",
+        f"--allowed-origins={GOOD_ORIGIN}",
         env={"SLUICE_API_KEY": KEY})
     yield server
     assert server.stop() == 0, server.log_tail(60)
@@ -60,7 +61,8 @@ def bounded(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     server = start_server(
         tmp_path_factory.mktemp("hostile-bounded"), *MODEL_FLAGS, f"--max-http-connections={HTTP_LIMIT}",
         f"--max-connections={BOUNDED_MAX_CONNECTIONS}", f"--max-pending-auth={BOUNDED_PENDING}",
-        "--timeout-auth=600", "--timeout-headers=600", "--timeout-body=600", "--timeout-keep-alive=600",
+        "--timeout-auth=600", "--timeout-headers=600", "--timeout-body=600", "--timeout-send=600",
+        "--timeout-keep-alive=600",
         env={"SLUICE_API_KEY": KEY})
     yield server
     assert server.stop() == 0, server.log_tail(60)
@@ -105,6 +107,35 @@ async def _raw_upgraded(server: Server) -> tuple[asyncio.StreamReader, asyncio.S
                  "Sec-WebSocket-Version: 13\r\n\r\n".encode())
     assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
     return reader, writer
+
+
+async def _unread_stream(server: Server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A streamed chat completion on a socket with a small receive buffer, whose client reads nothing: its output
+    (4 choices of LONG tokens with 20 logprobs each, megabytes) is far more than the sockets' buffers hold."""
+    body = json.dumps({"model": "sluice-tiny-v1", "stream": True, "n": 4, "max_tokens": LONG, "ignore_eos": True,
+                       "logprobs": True, "top_logprobs": 20,
+                       "messages": [{"role": "user", "content": "go"}]}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
+                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    return reader, writer
+
+
+async def _cut_short(reader: asyncio.StreamReader) -> bool:
+    """Reads the rest of a stream; True if the server dropped the connection before the stream's end."""
+    data = b""
+    try:
+        async with asyncio.timeout(MARGIN):
+            while chunk := await reader.read(1 << 16):
+                data += chunk
+    except ConnectionResetError:
+        pass
+    return b"data: [DONE]" not in data
 
 
 async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -377,6 +408,26 @@ async def test_when_every_connection_runs_a_request_a_new_one_gets_503(bounded: 
         await asyncio.sleep(0.1)
 
 
+async def test_at_the_bound_a_stream_whose_client_reads_nothing_makes_room(bounded: Server) -> None:
+    """Every connection runs a stream that its client does not read: once one is stalled on its client it is
+    waiting on it as a slow request is, and the longest-stalled one is dropped to make room (they all held their
+    slots, so /health and every upgrade answered 503, for as long as the clients kept their sockets open)."""
+    streams = [await _unread_stream(bounded) for _ in range(HTTP_LIMIT)]
+    deadline = time.monotonic() + 60  # (until a stream's output fills the buffers)
+    async with httpx.AsyncClient(base_url=bounded.url) as http:
+        while (await http.get("/health", headers={"connection": "close"})).status_code != 200:
+            assert time.monotonic() < deadline, "no stalled stream made room"
+            await asyncio.sleep(0.2)
+    assert "closed while its client was not reading the response, to make room" in bounded.log_text()
+    assert await _cut_short(streams[0][0])
+    for reader, writer in streams:
+        writer.close()
+    async with httpx.AsyncClient(base_url=bounded.url) as http:
+        async with asyncio.timeout(MARGIN):
+            while not re.search(r"^sluice_num_running 0", (await http.get("/metrics")).text, re.MULTILINE):
+                await asyncio.sleep(0.1)
+
+
 # ---- 4. draining, as a load balancer sees it ----------------------------------------------------
 async def test_draining_is_visible_on_health_until_the_listener_closes(tiny_model_dir, tmp_path) -> None:
     # (a chat of thousands of steps: still running after the checks below on however fast a CPU)
@@ -492,3 +543,21 @@ async def test_a_ping_flood_from_a_client_that_reads_nothing_is_held_back_by_tcp
         assert sent < 32 << 20, sent
     finally:
         writer.transport.abort()
+
+
+async def test_a_stream_whose_client_reads_nothing_is_dropped_at_its_send_deadline(guarded: Server) -> None:
+    """An HTTP stream whose client takes none of it: once its output fills the sockets' buffers, the connection is
+    dropped after --timeout-send and the request stopped (the response waited on the socket for ever, holding its
+    connection slot and its request)."""
+    offset = len(guarded.log_text())
+    reader, writer = await _unread_stream(guarded)
+    deadline = time.monotonic() + 60  # (until the output fills the buffers, then TIMEOUT)
+    while "(--timeout-send): dropped" not in _new_log(guarded, offset):
+        assert time.monotonic() < deadline, guarded.log_tail(20)
+        await asyncio.sleep(0.1)
+    assert await _cut_short(reader)
+    writer.close()
+    async with httpx.AsyncClient(base_url=guarded.url) as http:
+        async with asyncio.timeout(MARGIN):
+            while not re.search(r"^sluice_num_running 0", (await http.get("/metrics")).text, re.MULTILINE):
+                await asyncio.sleep(0.1)

@@ -82,7 +82,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         "SLUICE_MAX_CONNECTIONS": "5", "SLUICE_MAX_INFLIGHT_PER_CONNECTION": "3", "SLUICE_MAX_QUEUED_REQUESTS": "9",
         "SLUICE_MAX_MESSAGE_BYTES": "4096", "SLUICE_TIMEOUT_GRACEFUL_SHUTDOWN": "2.5", "SLUICE_LOG_LEVEL": "debug",
         "SLUICE_MAX_PENDING_AUTH": "7", "SLUICE_MAX_HTTP_CONNECTIONS": "99", "SLUICE_TIMEOUT_AUTH": "1.5",
-        "SLUICE_TIMEOUT_HEADERS": "2.5", "SLUICE_TIMEOUT_BODY": "3.5", "SLUICE_TIMEOUT_KEEP_ALIVE": "4",
+        "SLUICE_TIMEOUT_HEADERS": "2.5", "SLUICE_TIMEOUT_BODY": "3.5", "SLUICE_TIMEOUT_SEND": "4.5", "SLUICE_TIMEOUT_KEEP_ALIVE": "4",
         "SLUICE_WS_PING_INTERVAL": "6", "SLUICE_WS_PING_TIMEOUT": "7",
         "SLUICE_ENGINE_ITERATION_TIMEOUT_S": "0", "SLUICE_KV_OFFLOAD_GB": "1.5",
         "SLUICE_PREFIX_STORE": "off",
@@ -111,7 +111,7 @@ def test_every_flag_has_a_variable(tmp_path) -> None:
         api_key="k", allowed_origins=("http://a.example", "http://b.example"),
         max_connections=5, max_inflight_per_connection=3, max_queued_requests=9, max_message_bytes=4096,
         timeout_graceful_shutdown=2.5, log_level="debug", max_pending_auth=7, max_http_connections=99,
-        timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_keep_alive=4, ws_ping_interval=6.0, ws_ping_timeout=7.0,
+        timeout_auth=1.5, timeout_headers=2.5, timeout_body=3.5, timeout_send=4.5, timeout_keep_alive=4, ws_ping_interval=6.0, ws_ping_timeout=7.0,
         engine_iteration_timeout_s=0.0,
         engine_process=False,
         kv_offload_gb=1.5, prefix_store=False, kv_cache_dtype="int8", tensor_parallel_size=2,
@@ -162,7 +162,8 @@ def test_a_flag_hides_a_bad_variable() -> None:
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-connections", "0"], ["--dtype", "float64"],
                                   ["--pin-system-prompt", "/no/such/file"], ["--api-key", ""], ["--bogus"],
                                   ["--max-pending-auth", "0"], ["--max-http-connections", "0"], ["--timeout-auth", "0"],
-                                  ["--timeout-headers", "-1"], ["--timeout-body", "0"], ["--timeout-keep-alive", "0"]])
+                                  ["--timeout-headers", "-1"], ["--timeout-body", "0"], ["--timeout-send", "0"],
+                                  ["--timeout-keep-alive", "0"]])
 def test_bad_flags_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         parse_config(argv, {})

@@ -18,7 +18,7 @@ class _Conn:  # stands in for a GuardedH11Protocol
 
 
 def _guard(limit: int) -> HttpGuard:
-    return HttpGuard(timeout_headers=10, timeout_body=30, max_connections=limit)
+    return HttpGuard(timeout_headers=10, timeout_body=30, timeout_send=30, max_connections=limit)
 
 
 def test_at_the_bound_the_longest_waiting_connection_is_evicted() -> None:
@@ -32,6 +32,11 @@ def test_at_the_bound_the_longest_waiting_connection_is_evicted() -> None:
     assert g.admit(d) and c.evicted and not b.evicted and len(guard) == 3
     assert g.admit(e) and b.evicted and not a.evicted
     assert [x.evicted for x in conns] == [False, True, True, False, False]
+    g.enter(e, "busy")
+    g.enter(d, "send")  # a response its client does not read: waiting on its client too
+    g.enter(a, "body")
+    f = _Conn()
+    assert g.admit(f) and d.evicted and not a.evicted and not e.evicted
 
 
 def test_when_every_connection_runs_a_request_a_new_one_is_refused() -> None:
