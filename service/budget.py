@@ -1,9 +1,11 @@
 """`LoopBudget`: one connection's share of the event loop, as a token bucket of loop seconds.
 
-Every frame a connection sends costs the loop some time to decode and check (a 1 MB frame of 28,000 tiny
-messages: ~7 ms). A client that sends such frames as fast as it is answered would keep the loop busy, and,
-through the GIL, stall the engine thread and every other stream. The reader charges each frame's cost here
-and, once a connection has spent its burst, waits before reading on; TCP then holds the client back.
+Every frame a connection sends costs the loop some time to parse (an empty ping: microseconds, and a client
+can send a million a second), and each message to decode and check (a 1 MB frame of 28,000 tiny messages:
+~7 ms). A client that sends such frames as fast as it is answered would keep the loop busy, and, through the
+GIL, stall the engine thread and every other stream. A WebSocket's reads (service/transport.py) and its
+reader's decoding (service/ws.py) charge their time to one budget and, once the connection has spent its
+burst, read no more for a while; TCP then holds the client back.
 Ordinary chat frames cost microseconds and never wait. HTTP request bodies are charged per peer address
 (`PeerBudgets`): the response to a costly one waits instead.
 """

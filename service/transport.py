@@ -7,11 +7,14 @@ connection that has waited longest on its client (for a head, a body, or to read
 make room; only when every one is running a request does a new one get 503.
 WebSocket (websockets-sansio): neither an upgrade refused with a denial response nor a text frame that is
 not UTF-8 is logged as an error, and each upgrade gets uvicorn's one log line, not websockets' own besides.
+The loop time spent on a socket's reads (parsing its frames, answering its pings) is charged to its
+`LoopBudget` (service/budget.py), which service/ws.py charges its decoding to as well.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, ClassVar, Literal
@@ -23,11 +26,14 @@ from uvicorn.protocols.utils import get_client_addr
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
 
+from service.budget import LoopBudget
 from service.openai_api import error_response
 
 log = logging.getLogger("sluice.transport")
-# the ASGI scope extension under which SluiceWebSocketProtocol offers `send_text_now` (service/ws.py uses it)
+# the ASGI scope extensions under which SluiceWebSocketProtocol offers `send_text_now` and the socket's `LoopBudget`
+# (service/ws.py uses them)
 SEND_TEXT_NOW = "sluice.send_text_now"
+LOOP_BUDGET = "sluice.loop_budget"
 
 # Where a connection is: waiting on its client for a request head or the rest of a body, or for it to read the
 # response (the socket's write buffer is over its high water mark), or the app answers.
@@ -328,12 +334,16 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.conn.logger = _DebugInfo(self.conn.logger, {})
+        self.loop_budget = LoopBudget()
+        # reasons of Sluice's own not to read (uvicorn's own is `read_paused`: a message the app has not taken)
         self._paused_for_writes = False
+        self._budget_wait: asyncio.TimerHandle | None = None
 
     def handle_connect(self, event: h11.Request) -> None:
         super().handle_connect(event)
         if getattr(self, "scope", None) is not None:  # (absent when the upgrade itself was refused)
             self.scope["extensions"][SEND_TEXT_NOW] = self.send_text_now
+            self.scope["extensions"][LOOP_BUDGET] = self.loop_budget
 
     def send_text_now(self, data: bytes) -> bool:
         """Writes a text frame of UTF-8 `data` to the socket now, without the ASGI layers in between (the `send`
@@ -351,20 +361,42 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
         return True
 
     def data_received(self, data: bytes) -> None:
+        started = time.perf_counter()
         super().data_received(data)
-        if not self.writable.is_set() and not self.transport.is_closing() and not self._paused_for_writes:
-            # uvicorn writes a pong for every ping at once, past the write buffer's high water mark: a client that
-            # sends pings and reads nothing grew the server's memory without bound. While the buffer is over the
-            # mark nothing more is read, so its frames wait in TCP.
-            self._paused_for_writes = True
-            self.transport.pause_reading()
+        # Each frame costs the loop a few microseconds in websockets' parser and uvicorn's handlers (an empty ping
+        # is 6 bytes): a client streaming tiny frames, a key or not, kept the loop busy without ever sending a whole
+        # message for the app's budget to charge. Once the socket has spent its share, nothing is read for a while.
+        wait = self.loop_budget.charge(time.perf_counter() - started)
+        if wait > 0 and self._budget_wait is None:
+            self._budget_wait = self.loop.call_later(wait, self._budget_refilled)
+        # uvicorn writes a pong for every ping at once, past the write buffer's high water mark: a client that sends
+        # pings and reads nothing grew the server's memory without bound. While the buffer is over the mark nothing
+        # more is read, so its frames wait in TCP.
+        self._paused_for_writes = not self.writable.is_set()
+        self._hold_reading()
+
+    async def receive(self) -> Any:
+        message = await super().receive()
+        self._hold_reading()  # uvicorn resumes reading once the app has taken every message
+        return message
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        if self._paused_for_writes:
-            self._paused_for_writes = False
-            if not self.read_paused and not self.transport.is_closing():
-                self.transport.resume_reading()
+        self._paused_for_writes = False
+        self._hold_reading()
+
+    def _budget_refilled(self) -> None:
+        self._budget_wait = None
+        self._hold_reading()
+
+    def _hold_reading(self) -> None:
+        """Reading paused while a reason of Sluice's own holds, else as uvicorn has it."""
+        if self.transport.is_closing():
+            return
+        if self._paused_for_writes or self._budget_wait is not None:
+            self.transport.pause_reading()
+        elif not self.read_paused:
+            self.transport.resume_reading()
 
     def keepalive_timeout(self) -> None:
         super().keepalive_timeout()
@@ -377,6 +409,12 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
         bytes still unsent is dropped."""
         if not self.disconnected and self.transport.get_write_buffer_size():
             self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._budget_wait is not None:
+            self._budget_wait.cancel()
+            self._budget_wait = None
+        super().connection_lost(exc)
 
     def _close_or_abort(self) -> None:
         self.close_timer = None

@@ -24,7 +24,7 @@ from service.auth import bearer_token, key_matches, origin_allowed
 from service.budget import LoopBudget
 from service.openai_errors import RETRY_AFTER_S
 from service.protocol import ErrorCode, Error, Hello, ServerMessage, decode_client, encode, encode_utf8
-from service.transport import SEND_TEXT_NOW
+from service.transport import LOOP_BUDGET, SEND_TEXT_NOW
 from service.ws_session import Session
 
 if TYPE_CHECKING:
@@ -43,8 +43,10 @@ class Connection:
         self._wake = asyncio.Event()
         self._space = asyncio.Event()  # clear while the session is backlogged
         self._space.set()
-        self._budget = LoopBudget()
-        self._send_now = (ws.scope.get("extensions") or {}).get(SEND_TEXT_NOW)  # Sluice's server only
+        extensions = ws.scope.get("extensions") or {}
+        # one budget for the socket's reads (Sluice's server charges their frames' parsing to it) and its decoding
+        self._budget = extensions.get(LOOP_BUDGET) or LoopBudget()
+        self._send_now = extensions.get(SEND_TEXT_NOW)  # Sluice's server only
         self._writing = False  # the writer task is sending: everything goes through it until it waits again
         self._unsent: list[ServerMessage] = []  # taken from the session, turned back by the socket: sent first
 
@@ -131,7 +133,7 @@ class Connection:
             return False
         text = message.get("text") or b""  # (a binary frame is never a valid `hello`)
         # NOTE: a `hello` is small; a larger frame is refused unread: a client without the key gets no decoding of
-        # costly frames (which the loop budget charges only to authenticated connections), however often it comes back
+        # costly frames (decoding is charged to the loop budget after `ready` only), however often it comes back
         if len(text) > (limit := HELLO_BYTES + 12 * len(key)):  # (a key's characters may each be an escaped pair)
             return await self._refuse(f"the first frame must be a `hello` (at most {limit} characters with this "
                                       "server's key); authenticate first")

@@ -1,7 +1,8 @@
 """Hostile connections against real `sluice serve` processes: sockets without the key flooding the
 authentication phase, slowloris (a bare connect, a head or body that never ends, a half-sent upgrade),
 clients that drop mid-body or get refused, a key in the URL, a cross-site POST, a wrong `hello` after
-`ready`, too many HTTP connections, and a drain seen from a load balancer (docs/protocol.md §2, §7, §8).
+`ready`, too many HTTP connections, a drain seen from a load balancer, clients that read nothing of their
+output (WebSocket and HTTP), and floods of pings (docs/protocol.md §2, §7, §8).
 
 Timeouts are set short by flags; "closed within its timeout" means closed within the timeout plus
 MARGIN, a deadline only a very slow host could miss. Random choices are seeded; loops are bounded.
@@ -561,3 +562,40 @@ async def test_a_stream_whose_client_reads_nothing_is_dropped_at_its_send_deadli
         async with asyncio.timeout(MARGIN):
             while not re.search(r"^sluice_num_running 0", (await http.get("/metrics")).text, re.MULTILINE):
                 await asyncio.sleep(0.1)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far, all its threads."""
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def test_a_stream_of_tiny_frames_gets_the_loop_share_of_one_connection(bounded: Server) -> None:
+    """Empty pings as fast as TCP takes them, from a socket without the key that reads its pongs: each costs the loop
+    microseconds in the frame parser and the pong's write, and no message ever reaches the app's budget, so the
+    server's event loop ran this one socket flat out (a good client's deliveries waited behind it). Its reads are
+    charged to its loop budget now: the server spends about its 10% share on it. Measured as the server's CPU time
+    over the flood, against the flood's length: a ratio, whatever the CPU's speed."""
+    reader, writer = await _raw_upgraded(bounded)
+    ping = bytes([0x89, 0x80]) + bytes(4)  # (an empty ping, masked with zeros)
+    chunk = ping * ((1 << 16) // len(ping))
+
+    async def read_pongs() -> None:
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(1 << 16):
+                pass
+
+    pongs = asyncio.create_task(read_pongs())
+    flood_s, cpu = 5.0, _cpu_seconds(bounded.proc.pid)
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < flood_s:
+            writer.write(chunk)
+            with contextlib.suppress(TimeoutError):  # (held back by TCP: the loop still counts the time)
+                async with asyncio.timeout(start + flood_s - time.monotonic()):
+                    await writer.drain()
+        elapsed, cpu = time.monotonic() - start, _cpu_seconds(bounded.proc.pid) - cpu
+    finally:
+        writer.transport.abort()
+        pongs.cancel()
+    assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on one flooding socket"
