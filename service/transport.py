@@ -4,7 +4,8 @@ HTTP (h11): a request head must be whole within `--timeout-headers` of the conne
 may pause at most `--timeout-body`, a response whose client takes none of it at most `--timeout-send`, and at
 most `--max-http-connections` are open (a WebSocket leaves the count at its upgrade). At the bound, the
 connection that has waited longest on its client (for a head, a body, or to read its response) is closed to
-make room; only when every one is running a request does a new one get 503.
+make room; only when every one is running a request does a new one get 503. The loop time its reads take
+is charged to its peer's budget (service/budget.py), which the app charges its bodies' decoding to as well.
 WebSocket (websockets-sansio): neither an upgrade refused with a denial response nor a text frame that is
 not UTF-8 is logged as an error, and each upgrade gets uvicorn's one log line, not websockets' own besides.
 The loop time spent on a socket's reads (parsing its frames, answering its pings) is charged to its
@@ -26,7 +27,7 @@ from uvicorn.protocols.utils import get_client_addr
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
 
-from service.budget import LoopBudget
+from service.budget import LoopBudget, PeerBudgets
 from service.openai_api import error_response
 
 log = logging.getLogger("sluice.transport")
@@ -43,12 +44,15 @@ Phase = Literal["head", "body", "send", "busy"]
 class HttpGuard:
     """One server's open HTTP connections and their deadlines (the flags of the same names)."""
 
-    def __init__(self, timeout_headers: float, timeout_body: float, timeout_send: float, max_connections: int) -> None:
+    def __init__(self, timeout_headers: float, timeout_body: float, timeout_send: float, max_connections: int,
+                 budgets: PeerBudgets | None = None) -> None:
         assert timeout_headers > 0 and timeout_body > 0 and timeout_send > 0 and max_connections >= 1
         self.timeout_headers = timeout_headers
         self.timeout_body = timeout_body
         self.timeout_send = timeout_send
         self.max_connections = max_connections
+        # loop time per peer address: reads here, bodies' decoding in the app (the service's, shared)
+        self.budgets = budgets if budgets is not None else PeerBudgets()
         self._waiting: dict[GuardedH11Protocol, None] = {}  # on their client, longest-waiting first
         self._busy: set[GuardedH11Protocol] = set()
 
@@ -103,7 +107,80 @@ def _raw_response(status: int, message: str, code: str, type_: str | None = None
     return b"\r\n".join(lines) + b"\r\n\r\n" + bytes(response.body)
 
 
-class GuardedH11Protocol(H11Protocol):
+READ_SLICE = 16 << 10  # bytes of a read parsed at once: at most ~20 ms of loop time, however tiny the frames
+
+
+class _ChargedReads:
+    """A socket's reads, parsed a slice at a time, each slice's loop time charged to a `LoopBudget`.
+
+    A read is up to 256 KiB; of 1-byte body chunks or empty WebSocket pings that is ~40,000 events, ~0.3 s of
+    the loop in one go, and a client that keeps sending them ran the loop flat out without making one request or
+    message for the app to charge. Here the protocol gets `READ_SLICE` bytes at a time; once the budget is spent,
+    the rest of the read waits and the socket is not read until the budget has refilled (TCP then holds the
+    client back). Ordinary reads are one slice, parsed at once.
+    """
+
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+
+    def _init_reads(self) -> None:
+        self._backlog = b""  # read, not yet parsed: what is left of one read
+        self._budget_wait: asyncio.TimerHandle | None = None  # until the budget has refilled
+        self._holding = False  # reading paused here (uvicorn pauses and resumes for reasons of its own besides)
+
+    def _parse(self, data: bytes) -> None:
+        raise NotImplementedError  # the protocol's own `data_received`
+
+    def _charge(self, seconds: float) -> float:
+        raise NotImplementedError  # the budget's `charge`
+
+    def _may_parse(self) -> bool:
+        return True
+
+    def _uvicorn_paused(self) -> bool:
+        raise NotImplementedError  # uvicorn's own reason not to read
+
+    def _gone(self) -> bool:
+        return self.transport.is_closing()
+
+    def _fed(self) -> None:
+        pass
+
+    def _take(self, data: bytes) -> None:
+        self._backlog = self._backlog + data if self._backlog else data
+        self._feed()
+
+    def _feed(self) -> None:
+        while self._backlog and self._budget_wait is None and self._may_parse() and not self._gone():
+            piece, self._backlog = self._backlog[:READ_SLICE], self._backlog[READ_SLICE:]
+            started = time.perf_counter()
+            self._parse(piece)
+            if (wait := self._charge(time.perf_counter() - started)) > 0 and not self._gone():
+                self._budget_wait = self.loop.call_later(wait, self._refilled)
+        if self._gone():
+            self._stop_reads()
+            return
+        if self._backlog or self._budget_wait is not None or not self._may_parse():
+            self._holding = True
+            self.transport.pause_reading()  # (again, if uvicorn has resumed it meanwhile)
+        elif self._holding:
+            self._holding = False
+            if not self._uvicorn_paused():
+                self.transport.resume_reading()
+        self._fed()
+
+    def _refilled(self) -> None:
+        self._budget_wait = None
+        self._feed()
+
+    def _stop_reads(self) -> None:
+        self._backlog = b""
+        if self._budget_wait is not None:
+            self._budget_wait.cancel()
+            self._budget_wait = None
+
+
+class GuardedH11Protocol(_ChargedReads, H11Protocol):
     guard: ClassVar[HttpGuard]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -113,6 +190,7 @@ class GuardedH11Protocol(H11Protocol):
         self._send_deadline: asyncio.TimerHandle | None = None  # while bytes wait on the client (`_watch_send`)
         self._unsent = 0  # the write buffer's size when that deadline was set
         self._upgraded = False
+        self._init_reads()
         # h11 bounds a head only while it is still arriving (its incomplete-event buffer): one that comes whole in a
         # single read of up to 64 KB would pass. Checked here on every head, whole: uvicorn answers 400 and closes.
         limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # (uvicorn's rule)
@@ -154,6 +232,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_deadline(None)
         self._stop_send_deadline()
+        self._stop_reads()
         self.guard.leave(self)
         if not self._done and self._phase == "body" and self.cycle is not None and not self.cycle.response_complete:
             log.info("%s: %s: the client closed the connection before sending the whole body",
@@ -161,8 +240,24 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        self._take(data)
         self._follow(data_arrived=True)
+
+    # ---- its reads, charged to the peer's budget (_ChargedReads) ---------------------------------
+    def _parse(self, data: bytes) -> None:
+        super().data_received(data)
+
+    def _charge(self, seconds: float) -> float:
+        return self.guard.budgets.charge(self.client[0] if self.client else "-", seconds)
+
+    def _uvicorn_paused(self) -> bool:
+        return self.flow.read_paused
+
+    def _gone(self) -> bool:
+        return self._upgraded or self.transport.is_closing()  # (a client sends nothing before the upgrade's 101)
+
+    def _fed(self) -> None:
+        self._follow()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -179,6 +274,16 @@ class GuardedH11Protocol(H11Protocol):
     def timeout_keep_alive_handler(self) -> None:
         super().timeout_keep_alive_handler()
         self._watch_send()
+
+    def shutdown(self) -> None:
+        """uvicorn lets a request still sending its body run on, and cancels it (a traceback at ERROR) after its
+        graceful timeout; a body the server will not serve is refused now."""
+        if self._phase == "body" and not self._done:
+            log.info("%s: %s: the server is shutting down before the body was whole: 503", self._peer,
+                     self._request_line())
+            self._close(_raw_response(503, "the server is shutting down; retry", "service_unavailable"))
+            return
+        super().shutdown()
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._set_deadline(None)
@@ -270,7 +375,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _body_timeout(self) -> None:
         limit = self.guard.timeout_body
-        if self.flow.read_paused:  # the app has not read what came: the wait is the server's, not the client's
+        if self.flow.read_paused or self._backlog or self._budget_wait is not None:  # the server's wait, not the client's
             self._set_deadline(limit, self._body_timeout)
             return
         log.info("%s: %s: request body idle for %g s (--timeout-body): closed", self._peer, self._request_line(), limit)
@@ -321,7 +426,7 @@ class _DebugInfo(logging.LoggerAdapter):  # type: ignore[type-arg]
         self.debug(msg, *args, **kwargs)
 
 
-class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
+class SluiceWebSocketProtocol(_ChargedReads, WebSocketsSansIOProtocol):
     """websockets-sansio, but an upgrade refused with a denial response counts as a finished handshake.
 
     uvicorn forgets to mark it so and logs "ASGI callable returned without completing handshake" at ERROR
@@ -335,9 +440,7 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
         super().__init__(*args, **kwargs)
         self.conn.logger = _DebugInfo(self.conn.logger, {})
         self.loop_budget = LoopBudget()
-        # reasons of Sluice's own not to read (uvicorn's own is `read_paused`: a message the app has not taken)
-        self._paused_for_writes = False
-        self._budget_wait: asyncio.TimerHandle | None = None
+        self._init_reads()
 
     def handle_connect(self, event: h11.Request) -> None:
         super().handle_connect(event)
@@ -361,42 +464,32 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
         return True
 
     def data_received(self, data: bytes) -> None:
-        started = time.perf_counter()
-        super().data_received(data)
-        # Each frame costs the loop a few microseconds in websockets' parser and uvicorn's handlers (an empty ping
-        # is 6 bytes): a client streaming tiny frames, a key or not, kept the loop busy without ever sending a whole
-        # message for the app's budget to charge. Once the socket has spent its share, nothing is read for a while.
-        wait = self.loop_budget.charge(time.perf_counter() - started)
-        if wait > 0 and self._budget_wait is None:
-            self._budget_wait = self.loop.call_later(wait, self._budget_refilled)
-        # uvicorn writes a pong for every ping at once, past the write buffer's high water mark: a client that sends
-        # pings and reads nothing grew the server's memory without bound. While the buffer is over the mark nothing
-        # more is read, so its frames wait in TCP.
-        self._paused_for_writes = not self.writable.is_set()
-        self._hold_reading()
+        self._take(data)
 
     async def receive(self) -> Any:
         message = await super().receive()
-        self._hold_reading()  # uvicorn resumes reading once the app has taken every message
+        self._feed()  # uvicorn resumes reading once the app has taken every message: the backlog and budget first
         return message
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._paused_for_writes = False
-        self._hold_reading()
+        self._feed()
 
-    def _budget_refilled(self) -> None:
-        self._budget_wait = None
-        self._hold_reading()
+    # ---- its reads, charged to the socket's budget (_ChargedReads) -------------------------------
+    def _parse(self, data: bytes) -> None:
+        super().data_received(data)
 
-    def _hold_reading(self) -> None:
-        """Reading paused while a reason of Sluice's own holds, else as uvicorn has it."""
-        if self.transport.is_closing():
-            return
-        if self._paused_for_writes or self._budget_wait is not None:
-            self.transport.pause_reading()
-        elif not self.read_paused:
-            self.transport.resume_reading()
+    def _charge(self, seconds: float) -> float:
+        return self.loop_budget.charge(seconds)
+
+    def _may_parse(self) -> bool:
+        # uvicorn writes a pong for every ping at once, past the write buffer's high water mark: a client that sends
+        # pings and reads nothing grew the server's memory without bound. While the buffer is over the mark nothing
+        # more is parsed or read, so its frames wait in TCP.
+        return self.writable.is_set()
+
+    def _uvicorn_paused(self) -> bool:
+        return self.read_paused
 
     def keepalive_timeout(self) -> None:
         super().keepalive_timeout()
@@ -411,9 +504,7 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
             self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._budget_wait is not None:
-            self._budget_wait.cancel()
-            self._budget_wait = None
+        self._stop_reads()
         super().connection_lost(exc)
 
     def _close_or_abort(self) -> None:

@@ -18,6 +18,7 @@ import random
 import re
 import signal
 import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -564,19 +565,36 @@ async def test_a_stream_whose_client_reads_nothing_is_dropped_at_its_send_deadli
                 await asyncio.sleep(0.1)
 
 
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Hangs up with a TCP reset: the server's kernel drops what it has not read yet (a close would have it
+    read every byte still queued first, slowly, at the connection's loop share)."""
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
 def _cpu_seconds(pid: int) -> float:
     """User and system CPU time of a process so far, all its threads."""
     fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def test_a_stream_of_tiny_frames_gets_the_loop_share_of_one_connection(bounded: Server) -> None:
+@pytest.fixture
+def flood_target(tiny_model_dir, tmp_path) -> Iterator[Server]:
+    """A server of its own: what a flooding socket left in the server's receive buffer is still read, at its loop
+    share, after the test hangs up (and would be counted in the next test's CPU time)."""
+    server = start_server(tmp_path, *MODEL_FLAGS, env={"SLUICE_API_KEY": KEY})
+    yield server
+    assert server.stop() == 0, server.log_tail(60)
+    assert "Traceback" not in server.log_text(), server.log_tail(80)
+
+
+async def test_a_stream_of_tiny_frames_gets_the_loop_share_of_one_connection(flood_target: Server) -> None:
     """Empty pings as fast as TCP takes them, from a socket without the key that reads its pongs: each costs the loop
     microseconds in the frame parser and the pong's write, and no message ever reaches the app's budget, so the
     server's event loop ran this one socket flat out (a good client's deliveries waited behind it). Its reads are
     charged to its loop budget now: the server spends about its 10% share on it. Measured as the server's CPU time
     over the flood, against the flood's length: a ratio, whatever the CPU's speed."""
-    reader, writer = await _raw_upgraded(bounded)
+    reader, writer = await _raw_upgraded(flood_target)
     ping = bytes([0x89, 0x80]) + bytes(4)  # (an empty ping, masked with zeros)
     chunk = ping * ((1 << 16) // len(ping))
 
@@ -586,7 +604,7 @@ async def test_a_stream_of_tiny_frames_gets_the_loop_share_of_one_connection(bou
                 pass
 
     pongs = asyncio.create_task(read_pongs())
-    flood_s, cpu = 5.0, _cpu_seconds(bounded.proc.pid)
+    flood_s, cpu = 5.0, _cpu_seconds(flood_target.proc.pid)
     start = time.monotonic()
     try:
         while time.monotonic() - start < flood_s:
@@ -594,8 +612,30 @@ async def test_a_stream_of_tiny_frames_gets_the_loop_share_of_one_connection(bou
             with contextlib.suppress(TimeoutError):  # (held back by TCP: the loop still counts the time)
                 async with asyncio.timeout(start + flood_s - time.monotonic()):
                     await writer.drain()
-        elapsed, cpu = time.monotonic() - start, _cpu_seconds(bounded.proc.pid) - cpu
+        elapsed, cpu = time.monotonic() - start, _cpu_seconds(flood_target.proc.pid) - cpu
     finally:
-        writer.transport.abort()
+        _reset(writer)
         pongs.cancel()
     assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on one flooding socket"
+
+
+async def test_a_body_of_tiny_chunks_gets_the_loop_share_of_its_peer(flood_target: Server) -> None:
+    """A chunked request body sent as 1-byte chunks as fast as TCP takes them: h11 parses each one on the loop, and
+    the server ran flat out on this one connection until the body reached its megabyte. Its reads are charged to
+    its peer's loop budget now, as the same test of tiny WebSocket frames measures."""
+    reader, writer = await _raw(flood_target, (
+        f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
+        "content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n").encode())
+    chunk = b"1\r\n \r\n" * ((1 << 16) // 6)  # (whitespace: the body, if it ever ended, would still be valid JSON)
+    flood_s, cpu = 5.0, _cpu_seconds(flood_target.proc.pid)
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < flood_s:
+            writer.write(chunk)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(start + flood_s - time.monotonic()):
+                    await writer.drain()
+        elapsed, cpu = time.monotonic() - start, _cpu_seconds(flood_target.proc.pid) - cpu
+    finally:
+        _reset(writer)
+    assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on one chunked body"
