@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import sys
 import time
 from collections.abc import Callable
 from http import HTTPStatus
@@ -107,6 +109,7 @@ def _raw_response(status: int, message: str, code: str, type_: str | None = None
     return b"\r\n".join(lines) + b"\r\n\r\n" + bytes(response.body)
 
 
+_TCPI_BYTES_ACKED = slice(120, 128)  # where Linux's struct tcp_info has tcpi_bytes_acked (a u64, since 4.1)
 READ_SLICE = 16 << 10  # bytes of a read parsed at once: at most ~20 ms of loop time, however tiny the frames
 
 
@@ -188,7 +191,7 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
         self._phase: Phase | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._send_deadline: asyncio.TimerHandle | None = None  # while bytes wait on the client (`_watch_send`)
-        self._unsent = 0  # the write buffer's size when that deadline was set
+        self._taken_at = 0  # `_taken()` when that deadline was set
         self._upgraded = False
         self._init_reads()
         # h11 bounds a head only while it is still arriving (its incomplete-event buffer): one that comes whole in a
@@ -272,6 +275,9 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
         self._follow()
 
     def timeout_keep_alive_handler(self) -> None:
+        if self._holding:  # the server is not reading (the peer's budget): what waits unread may be a request
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            return
         super().timeout_keep_alive_handler()
         self._watch_send()
 
@@ -289,6 +295,10 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
         self._set_deadline(None)
         self._stop_send_deadline()
         self._upgraded = True
+        self._stop_reads()
+        if self._holding:  # the socket is the WebSocket's to read now, by its own budget
+            self._holding = False
+            self.transport.resume_reading()
         self.guard.leave(self)  # WebSockets are bounded by --max-connections and --max-pending-auth
         self._done = True
         super().handle_websocket_upgrade(event)
@@ -331,16 +341,31 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
     def _watch_send(self) -> None:
         """Bytes waiting on the client, that the socket may never take: a response over the write buffer's high water
         mark (uvicorn's flow control then holds the app), or a closing connection's last output (`transport.close()`
-        waits for it to be sent). Either must make progress every `--timeout-send`, else the connection is dropped;
+        waits for it to be sent). The client must take some every `--timeout-send`, else the connection is dropped;
         without, a client that reads nothing held its connection, its slot and its request for ever."""
         if self._upgraded:
             return
-        unsent = self.transport.get_write_buffer_size()
-        if not unsent or not (self.flow.write_paused or self.transport.is_closing()):
+        if not self._stalled():
             self._stop_send_deadline()
         elif self._send_deadline is None:
-            self._unsent = unsent
+            self._taken_at = self._taken()
             self._send_deadline = self.loop.call_later(self.guard.timeout_send, self._send_timeout)
+
+    def _stalled(self) -> bool:
+        return bool(self.transport.get_write_buffer_size()) and (self.flow.write_paused or self.transport.is_closing())
+
+    def _taken(self) -> int:
+        """How much of the output the client has taken so far: the bytes its TCP acknowledged (Linux's TCP_INFO), else
+        minus the bytes still unsent here. (The write buffer alone moves too coarsely: the kernel takes more of it
+        only once a third of its own, up to 4 MB, is free, so a client reading a steady 25 KB/s looked stalled.)"""
+        sock = self.transport.get_extra_info("socket")
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_BYTES_ACKED.stop)
+            if len(info) >= _TCPI_BYTES_ACKED.stop:
+                return int.from_bytes(info[_TCPI_BYTES_ACKED], sys.byteorder)
+        except (AttributeError, OSError):
+            pass
+        return -self.transport.get_write_buffer_size()
 
     def _stop_send_deadline(self) -> None:
         if self._send_deadline is not None:
@@ -349,8 +374,7 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
 
     def _send_timeout(self) -> None:
         self._send_deadline = None
-        unsent = self.transport.get_write_buffer_size()
-        if unsent < self._unsent:  # the client took some: a new period
+        if self._taken() > self._taken_at or not self._stalled():  # the client took some: a new period
             self._watch_send()
             return
         log.info("%s: %s: the client took none of the response for %g s (--timeout-send): dropped", self._peer,
@@ -365,6 +389,9 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
         self.transport.abort()
 
     def _head_timeout(self) -> None:
+        if self._holding:  # as the body's: the server's wait, not the client's
+            self._set_deadline(self.guard.timeout_headers, self._head_timeout)
+            return
         if not self._has_partial_request():
             self._close()  # idle: nothing to say
             return
@@ -375,7 +402,7 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
 
     def _body_timeout(self) -> None:
         limit = self.guard.timeout_body
-        if self.flow.read_paused or self._backlog or self._budget_wait is not None:  # the server's wait, not the client's
+        if self.flow.read_paused or self._holding:  # the server's wait, not the client's
             self._set_deadline(limit, self._body_timeout)
             return
         log.info("%s: %s: request body idle for %g s (--timeout-body): closed", self._peer, self._request_line(), limit)
@@ -404,7 +431,7 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
                                        "request, retry", "too_many_connections"))
 
     def _has_partial_request(self) -> bool:
-        return self._phase == "body" or bool(self.conn.trailing_data[0])
+        return self._phase == "body" or bool(self.conn.trailing_data[0]) or bool(self._backlog)
 
     def _close(self, response: bytes | None = None) -> None:
         """Answer (if nothing has been answered yet) and close; the app, if running, reads a disconnect."""
@@ -417,6 +444,7 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
             cycle.disconnected = True  # its writes go nowhere, and uvicorn reports nothing
             cycle.message_event.set()
         self.transport.close()
+        self._watch_send()
 
 
 class _DebugInfo(logging.LoggerAdapter):  # type: ignore[type-arg]

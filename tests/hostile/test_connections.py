@@ -121,7 +121,7 @@ async def _unread_stream(server: Server) -> tuple[asyncio.StreamReader, asyncio.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-    reader, writer = await asyncio.open_connection(sock=sock)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)  # (reads the socket only as we read)
     writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
                  f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
     await writer.drain()
@@ -410,6 +410,23 @@ async def test_when_every_connection_runs_a_request_a_new_one_gets_503(bounded: 
         await asyncio.sleep(0.1)
 
 
+async def test_a_stream_read_slowly_but_steadily_is_not_dropped(guarded: Server) -> None:
+    """A client that reads its stream slowly (4 KiB every 0.2 s) keeps it through many --timeout-send periods: the
+    deadline is for a client that takes nothing (the write buffer's size alone moved too coarsely to show a slow
+    reader's progress, and such clients were dropped)."""
+    offset = len(guarded.log_text())
+    reader, writer = await _unread_stream(guarded)
+    for _ in range(int(8 * TIMEOUT / 0.2)):  # (8 periods, ~130 KB: far less than the stream, by construction)
+        assert await asyncio.wait_for(reader.read(4096), MARGIN), "a stream being read was closed"
+        await asyncio.sleep(0.2)
+    assert "(--timeout-send)" not in _new_log(guarded, offset), guarded.log_tail(10)
+    writer.close()
+    async with httpx.AsyncClient(base_url=guarded.url) as http:
+        async with asyncio.timeout(MARGIN):
+            while not re.search(r"^sluice_num_running 0", (await http.get("/metrics")).text, re.MULTILINE):
+                await asyncio.sleep(0.1)
+
+
 async def test_at_the_bound_a_stream_whose_client_reads_nothing_makes_room(bounded: Server) -> None:
     """Every connection runs a stream that its client does not read: once one is stalled on its client it is
     waiting on it as a slow request is, and the longest-stalled one is dropped to make room (they all held their
@@ -639,3 +656,57 @@ async def test_a_body_of_tiny_chunks_gets_the_loop_share_of_its_peer(flood_targe
     finally:
         _reset(writer)
     assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on one chunked body"
+
+
+async def _get_health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, then: bytes = b"") -> bytes:
+    """GET /health on a kept-alive connection (and `then` right behind it); its status line."""
+    writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" + then)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), MARGIN * 3)
+    await reader.readexactly(int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE)[1]))
+    return head.split(b"\r\n")[0]
+
+
+async def test_a_peer_held_to_its_loop_budget_loses_nothing(tiny_model_dir, tmp_path) -> None:
+    """While a peer's HTTP reads wait for its loop budget (its other connections sent ~220,000 one-byte body chunks:
+    ~0.2 s of parsing at the least, 2 s of waiting at a 10% share), the next request on its kept-alive connection waits
+    and is answered (the keep-alive timer closed the connection with the request unread), and a WebSocket it
+    upgrades meanwhile is read by its own budget (the held reads were never resumed: no pong, ever)."""
+    server = start_server(tmp_path, *MODEL_FLAGS, "--timeout-keep-alive=1")
+    floods = [await _raw(server) for _ in range(20)]
+    try:
+        for _, writer in floods:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n" + b"1\r\n \r\n" * ((64 << 10) // 6))
+        kept = await _raw(server)
+        upgrading = await _raw(server)
+        upgrade = (f"GET /v1/ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                   f"sec-websocket-key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                   "sec-websocket-version: 13\r\n\r\n").encode()
+
+        async def keep_alive() -> None:
+            assert await _get_health(*kept) == b"HTTP/1.1 200 OK"
+            await asyncio.sleep(1.5)  # (past --timeout-keep-alive)
+            assert await _get_health(*kept) == b"HTTP/1.1 200 OK"
+
+        async def upgrade_while_held() -> None:
+            reader, writer = upgrading
+            assert await _get_health(reader, writer, upgrade[:10]) == b"HTTP/1.1 200 OK"  # (h11 holds the rest)
+            writer.write(upgrade[10:])
+            assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), MARGIN * 3)).startswith(b"HTTP/1.1 101")
+            writer.write(bytes([0x89, 0x82]) + bytes(4) + b"hi")  # a ping, masked with zeros
+            async with asyncio.timeout(MARGIN):  # the frames up to the pong (`ready` first)
+                while True:
+                    first, size = await reader.readexactly(2)
+                    if size in (126, 127):
+                        size = int.from_bytes(await reader.readexactly(2 if size == 126 else 8), "big")
+                    payload = await reader.readexactly(size)
+                    if first == 0x8A:
+                        assert payload == b"hi"
+                        break
+
+        await asyncio.gather(keep_alive(), upgrade_while_held())
+    finally:
+        for _, writer in [*floods, kept, upgrading]:
+            _reset(writer)
+        assert server.stop() == 0, server.log_tail(60)
+    assert "Traceback" not in server.log_text(), server.log_tail(80)
