@@ -11,6 +11,7 @@ import time
 import queue
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent import futures
 from concurrent.futures import Future
@@ -130,6 +131,9 @@ class LLMEngine:
         self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len, config.chat_template)
         self.tokenizer = self.processor.tokenizer
         self.token_text = TokenText(self.tokenizer)  # logprobs' token names and bytes
+        # `bad_words` lists as token ids, the latest 64: a request's n choices and batch prompts share one (each was
+        # tokenized again: a batch of 1,024 prompts with 256 long words held the engine thread for ~100 s)
+        self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()
         self.eos_token_ids = loader.eos_token_ids(model_dir, self.tokenizer)
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching,
                                           layout.num_host_blocks, config.kv_eviction)
@@ -243,6 +247,15 @@ class LLMEngine:
         if bm.host:
             bm.host.evictions = stats["host_cache_evictions"]
 
+    def _bad_words_ids(self, words: list[str], vocab: int) -> list[list[int]]:
+        key = tuple(words)
+        if (seqs := self._bad_words.pop(key, None)) is None:
+            seqs = bad_words_ids(self.tokenizer, words, vocab)
+        self._bad_words[key] = seqs
+        if len(self._bad_words) > 64:
+            self._bad_words.popitem(last=False)
+        return seqs
+
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *, fit_max_tokens: bool = True,
         resume: Checkpoint | None = None, add_special_tokens: bool = True,
@@ -288,7 +301,7 @@ class LLMEngine:
         compiling = params.structured_output is not None and not self._grammar(req)
         try:
             if params.bad_words:
-                for ids in bad_words_ids(self.tokenizer, params.bad_words, vocab):
+                for ids in self._bad_words_ids(params.bad_words, vocab):
                     if len(ids) == 1:
                         req.bad_tokens.append(ids[0])
                     else:
@@ -966,13 +979,15 @@ class LLMEngine:
 
 def bad_words_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]]:
     """vLLM's `bad_words` as token id sequences: each word's tokens alone (a text's first word) and after a space (a
-    word inside a text), as vLLM tokenizes them; one with an id outside the vocabulary is dropped."""
+    word inside a text), as vLLM tokenizes them; one with an id outside the vocabulary is dropped. (256 words of 256
+    letters: ~35 ms of the engine thread, in one batched call of the tokenizer; `add_request` keeps the latest lists.)"""
+    texts = [text for word in words for text in (word.lstrip(), " " + word.lstrip())]
     out: list[list[int]] = []
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids and max(ids) < vocab and ids not in out:
-                out.append(ids)
+    seen: set[tuple[int, ...]] = set()
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []:
+        if ids and max(ids) < vocab and (key := tuple(ids)) not in seen:
+            seen.add(key)
+            out.append(list(ids))
     return out
 
 

@@ -44,3 +44,29 @@ def test_both_spellings_of_a_word(tiny_model_dir):
     seqs = bad_words_ids(tok, ["wepa"], 1024)
     assert seqs == [tok.encode("wepa", add_special_tokens=False), tok.encode(" wepa", add_special_tokens=False)]
     assert bad_words_ids(tok, [" wepa"], 1024) == seqs  # (leading spaces are the variant's to add)
+
+
+class _Counting:
+    """A tokenizer that counts its calls."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.tokenizer(*args, **kwargs)
+
+
+def test_bad_words_are_tokenized_in_one_call_once_per_list(tiny_model_dir):
+    """256 long words were tokenized on the engine thread for each choice and each prompt of a batch: a batch of
+    1,024 prompts held it ~100 s, every stream stopped. Now a list the engine has just seen is not tokenized again
+    (and a list is one batched call of the tokenizer)."""
+    eng = _engine(tiny_model_dir)
+    words = ["wepa", "zo", "wepa", " zo"]
+    counting = _Counting(eng.tokenizer)
+    assert bad_words_ids(counting, words, 1024) == bad_words_ids(eng.tokenizer, ["wepa", "zo"], 1024)
+    assert counting.calls == 1
+    eng.tokenizer = counting
+    eng.generate([PROMPT] * 12, SamplingParams(max_tokens=2, bad_words=words))
+    assert counting.calls == 2  # (the list above, and this batch's 12 prompts: a request's n choices are as many)
+    eng.close()
