@@ -97,12 +97,17 @@ def _peer(request: Request) -> str:
 _STARTING = "the server is starting or shutting down; retry shortly"
 
 
-def _check_common(svc: Service, body: CommonRequest) -> None:
+def _check_model(svc: Service, model: str) -> None:
+    """The model a request names: 404 unless it is the one served."""
     if not svc.model_name:  # (before the engine is ready, without --served-model-name: no name to compare yet)
         raise HTTPError(503, _STARTING)
-    if body.model != svc.model_name:
-        raise HTTPError(404, f"The model `{body.model}` does not exist; this server serves `{svc.model_name}`.",
+    if model != svc.model_name:
+        raise HTTPError(404, f"The model `{model}` does not exist; this server serves `{svc.model_name}`.",
                         param="model", code="model_not_found")
+
+
+def _check_common(svc: Service, body: CommonRequest) -> None:
+    _check_model(svc, body.model)
     if body.stream_options is not None and not body.stream:
         raise HTTPError(400, "stream_options is only allowed when stream is true", param="stream_options",
                         code="invalid_message")
@@ -281,11 +286,8 @@ async def detokenize(request: Request) -> Response:
 
 
 def _check_tokenizer(svc: Service, model: str | None) -> None:
-    if not svc.model_name:
-        raise HTTPError(503, _STARTING)
-    if model is not None and model != svc.model_name:
-        raise HTTPError(404, f"The model `{model}` does not exist; this server serves `{svc.model_name}`.",
-                        param="model", code="model_not_found")
+    if model is not None:
+        _check_model(svc, model)
     if not svc.bridge.ready:
         raise HTTPError(503, _STARTING)
 
@@ -300,11 +302,12 @@ async def models(request: Request) -> Response:
 async def model(request: Request) -> Response:
     """`GET /v1/models/{model}`: OpenAI's "retrieve model"."""
     svc: Service = request.app.state.service
-    if not svc.bridge.ready:
-        return _error(HTTPError(503, _STARTING))
-    if request.path_params["model"] != svc.model_name:
-        return _error(HTTPError(404, f"The model `{request.path_params['model']}` does not exist; this server serves "
-                                     f"`{svc.model_name}`.", param="model", code="model_not_found"))
+    try:
+        if not svc.bridge.ready:
+            raise HTTPError(503, _STARTING)
+        _check_model(svc, request.path_params["model"])
+    except HTTPError as e:
+        return _error(e)
     return Response(msgspec.json.encode(_card(svc)), media_type="application/json")
 
 
