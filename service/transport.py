@@ -146,9 +146,6 @@ class _ChargedReads:
     def _gone(self) -> bool:
         return self.transport.is_closing()
 
-    def _fed(self) -> None:
-        pass
-
     def _take(self, data: bytes) -> None:
         self._backlog = self._backlog + data if self._backlog else data
         self._feed()
@@ -170,7 +167,6 @@ class _ChargedReads:
             self._holding = False
             if not self._uvicorn_paused():
                 self.transport.resume_reading()
-        self._fed()
 
     def _refilled(self) -> None:
         self._budget_wait = None
@@ -259,8 +255,9 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
     def _gone(self) -> bool:
         return self._upgraded or self.transport.is_closing()  # (a client sends nothing before the upgrade's 101)
 
-    def _fed(self) -> None:
-        self._follow()
+    def _refilled(self) -> None:
+        super()._refilled()
+        self._follow()  # (what the held bytes were: a head, a body's end)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
