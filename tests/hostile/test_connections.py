@@ -96,14 +96,20 @@ async def _raw(server: Server, data: bytes = b"") -> tuple[asyncio.StreamReader,
     return reader, writer
 
 
-async def _raw_upgraded(server: Server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A WebSocket upgraded by hand on a socket with a small receive buffer, for clients that read little or nothing
-    (frames are written raw: masked, as a client's must be)."""
+async def _small_window(server: Server, limit: int = 1 << 16) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection on a socket with a small receive buffer, for clients that read little or nothing; `limit` is
+    what the stream reader buffers before it stops reading the socket."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-    reader, writer = await asyncio.open_connection(sock=sock)
+    return await asyncio.open_connection(sock=sock, limit=limit)
+
+
+async def _raw_upgraded(server: Server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket upgraded by hand on a socket with a small receive buffer, for clients that read little or nothing
+    (frames are written raw: masked, as a client's must be)."""
+    reader, writer = await _small_window(server)
     writer.write(f"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                  f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
                  "Sec-WebSocket-Version: 13\r\n\r\n".encode())
@@ -117,15 +123,19 @@ async def _unread_stream(server: Server) -> tuple[asyncio.StreamReader, asyncio.
     body = json.dumps({"model": "sluice-tiny-v1", "stream": True, "n": 4, "max_tokens": LONG, "ignore_eos": True,
                        "logprobs": True, "top_logprobs": 20,
                        "messages": [{"role": "user", "content": "go"}]}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)  # (reads the socket only as we read)
+    reader, writer = await _small_window(server, limit=4096)  # (reads the socket only as we read)
     writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
                  f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
     await writer.drain()
     return reader, writer
+
+
+async def _until_nothing_runs(server: Server) -> None:
+    """Until the server runs no request (its metrics say), within MARGIN."""
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        async with asyncio.timeout(MARGIN):
+            while not re.search(r"^sluice_num_running 0", (await http.get("/metrics")).text, re.MULTILINE):
+                await asyncio.sleep(0.1)
 
 
 async def _cut_short(reader: asyncio.StreamReader) -> bool:
@@ -421,10 +431,7 @@ async def test_a_stream_read_slowly_but_steadily_is_not_dropped(guarded: Server)
         await asyncio.sleep(0.2)
     assert "(--timeout-send)" not in _new_log(guarded, offset), guarded.log_tail(10)
     writer.close()
-    async with httpx.AsyncClient(base_url=guarded.url) as http:
-        async with asyncio.timeout(MARGIN):
-            while not re.search(r"^sluice_num_running 0", (await http.get("/metrics")).text, re.MULTILINE):
-                await asyncio.sleep(0.1)
+    await _until_nothing_runs(guarded)
 
 
 async def test_at_the_bound_a_stream_whose_client_reads_nothing_makes_room(bounded: Server) -> None:
@@ -441,10 +448,7 @@ async def test_at_the_bound_a_stream_whose_client_reads_nothing_makes_room(bound
     assert await _cut_short(streams[0][0])
     for reader, writer in streams:
         writer.close()
-    async with httpx.AsyncClient(base_url=bounded.url) as http:
-        async with asyncio.timeout(MARGIN):
-            while not re.search(r"^sluice_num_running 0", (await http.get("/metrics")).text, re.MULTILINE):
-                await asyncio.sleep(0.1)
+    await _until_nothing_runs(bounded)
 
 
 # ---- 4. draining, as a load balancer sees it ----------------------------------------------------
@@ -537,10 +541,7 @@ async def test_a_socket_that_reads_nothing_is_dropped_at_its_keepalive_deadline(
             async with asyncio.timeout(5):
                 await writer.drain()
         await wait_websockets(server, 0, timeout=MARGIN + 2)
-        async with httpx.AsyncClient(base_url=server.url) as http:
-            async with asyncio.timeout(MARGIN):  # (its chat stopped, not run to its end: LONG tokens take far longer)
-                while not re.search(r"^sluice_num_running 0", (await http.get("/metrics")).text, re.MULTILINE):
-                    await asyncio.sleep(0.1)
+        await _until_nothing_runs(server)  # (its chat stopped, not run to its end: LONG tokens take far longer)
         writer.transport.abort()
     finally:
         assert server.stop() == 0, server.log_tail(60)
@@ -576,10 +577,7 @@ async def test_a_stream_whose_client_reads_nothing_is_dropped_at_its_send_deadli
         await asyncio.sleep(0.1)
     assert await _cut_short(reader)
     writer.close()
-    async with httpx.AsyncClient(base_url=guarded.url) as http:
-        async with asyncio.timeout(MARGIN):
-            while not re.search(r"^sluice_num_running 0", (await http.get("/metrics")).text, re.MULTILINE):
-                await asyncio.sleep(0.1)
+    await _until_nothing_runs(guarded)
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
@@ -593,6 +591,22 @@ def _cpu_seconds(pid: int) -> float:
     """User and system CPU time of a process so far, all its threads."""
     fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _flood(server: Server, writer: asyncio.StreamWriter, chunk: bytes,
+                 seconds: float = 5.0) -> tuple[float, float]:
+    """Writes `chunk` again and again for `seconds`, as fast as TCP takes it, then hangs up with a reset; the
+    server's CPU seconds meanwhile, and the seconds it took."""
+    cpu, start = _cpu_seconds(server.proc.pid), time.monotonic()
+    try:
+        while time.monotonic() - start < seconds:
+            writer.write(chunk)
+            with contextlib.suppress(TimeoutError):  # (held back by TCP: the loop still counts the time)
+                async with asyncio.timeout(start + seconds - time.monotonic()):
+                    await writer.drain()
+        return _cpu_seconds(server.proc.pid) - cpu, time.monotonic() - start
+    finally:
+        _reset(writer)
 
 
 @pytest.fixture
@@ -621,17 +635,9 @@ async def test_a_stream_of_tiny_frames_gets_the_loop_share_of_one_connection(flo
                 pass
 
     pongs = asyncio.create_task(read_pongs())
-    flood_s, cpu = 5.0, _cpu_seconds(flood_target.proc.pid)
-    start = time.monotonic()
     try:
-        while time.monotonic() - start < flood_s:
-            writer.write(chunk)
-            with contextlib.suppress(TimeoutError):  # (held back by TCP: the loop still counts the time)
-                async with asyncio.timeout(start + flood_s - time.monotonic()):
-                    await writer.drain()
-        elapsed, cpu = time.monotonic() - start, _cpu_seconds(flood_target.proc.pid) - cpu
+        cpu, elapsed = await _flood(flood_target, writer, chunk)
     finally:
-        _reset(writer)
         pongs.cancel()
     assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on one flooding socket"
 
@@ -644,17 +650,7 @@ async def test_a_body_of_tiny_chunks_gets_the_loop_share_of_its_peer(flood_targe
         f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
         "content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n").encode())
     chunk = b"1\r\n \r\n" * ((1 << 16) // 6)  # (whitespace: the body, if it ever ended, would still be valid JSON)
-    flood_s, cpu = 5.0, _cpu_seconds(flood_target.proc.pid)
-    start = time.monotonic()
-    try:
-        while time.monotonic() - start < flood_s:
-            writer.write(chunk)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(start + flood_s - time.monotonic()):
-                    await writer.drain()
-        elapsed, cpu = time.monotonic() - start, _cpu_seconds(flood_target.proc.pid) - cpu
-    finally:
-        _reset(writer)
+    cpu, elapsed = await _flood(flood_target, writer, chunk)
     assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on one chunked body"
 
 
