@@ -12,7 +12,7 @@ import queue
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -236,6 +236,7 @@ class LLMEngine:
         self.num_steps, self.prompt_tokens_computed, self.generation_tokens = (
             stats["num_steps"], stats["prompt_tokens_computed"], stats["generation_tokens"])
         self.scheduler.num_preemptions = stats["num_preemptions"]
+        self.scheduler.num_fair_preemptions = stats["fair_preemptions"]
         self.scheduler.pressure.go_on_from(stats["num_preemptions"], stats["scheduler_mode_changes"])
         for counter in ("prefix_cache_queries", "prefix_cache_hits", "host_cache_hits", "host_blocks_offloaded",
                         "host_blocks_loaded"):
@@ -258,7 +259,7 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *, fit_max_tokens: bool = True,
-        resume: Checkpoint | None = None, add_special_tokens: bool = True,
+        resume: Checkpoint | None = None, add_special_tokens: bool = True, client: Hashable = None,
     ) -> None:
         """Raises `PromptTooLongError` if the prompt leaves no room for a token, `ValueError` if it is bad.
 
@@ -268,7 +269,8 @@ class LLMEngine:
         (same model and config) and its caller has what the checkpoint holds; it goes on from there, its outputs
         recomputed as a preempted request's are, and what comes out next is what that engine would have sent.
         `add_special_tokens`: a str prompt is tokenized with the special tokens its tokenizer adds to a text (a BOS),
-        as Hugging Face's tokenizers and vLLM do."""
+        as Hugging Face's tokenizers and vLLM do. `client`: who asks (a server's peer address; None: the one client);
+        requests of several clients share the running seats (engine/scheduler.py)."""
         params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -278,7 +280,7 @@ class LLMEngine:
         if max_tokens > room and not fit_max_tokens:
             raise PromptTooLongError(f"the context is {self.max_model_len} tokens; the prompt has {len(ids)} and "
                                      f"max_tokens asks for {params.max_tokens} more (at most {room} fit)", "max_tokens")
-        req = Request(request_id, ids, params, min(max_tokens, room))
+        req = Request(request_id, ids, params, min(max_tokens, room), client)
         req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
         vocab = self.model_config.vocab_size
         for name in ("logit_bias", "allowed_token_ids"):  # (their ids: SamplingParams checked all else)
@@ -956,6 +958,7 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "fair_preemptions": self.scheduler.num_fair_preemptions,
             "prompt_budget": self.scheduler.prompt_budget,
             "num_host_kv_blocks": bm.host.num_slots if bm.host else 0,
             "num_free_host_kv_blocks": len(bm.host.free) if bm.host else 0,

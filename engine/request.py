@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -149,8 +150,10 @@ PLACEHOLDER = -1  # a token id a running step samples (async scheduling): replac
 class Request:
     """Mutable state of one request: status by the scheduler, KV bookkeeping by the block manager; read by the runner."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
+                 client: Hashable = None):
         self.request_id = request_id
+        self.client = client  # who asks (a server's peer address): the scheduler shares its seats between clients
         self.params = params
         self.max_tokens = max_tokens  # params.max_tokens resolved against the context the prompt leaves
         self.token_ids: list[int] = list(prompt_token_ids)

@@ -6,11 +6,18 @@ in the baselines, whose budget is raised to fit one whole prompt) or `max_num_se
 preempted request is requeued at the front, never lost. The block manager alone writes a
 request's KV bookkeeping; the scheduler only reads it. Under KV pressure `mixed` admits less
 (`engine/pressure.py`); whatever runs keeps running, and with nothing running the head of `waiting` is admitted.
+
+Requests carry their client (`Request.client`: a server's peer address). With one client, `waiting` is first come,
+first served. With more, clients share the seats: `waiting` is taken in order of the running requests each one's
+client would then have (`_admission_order`), and under `mixed` a client's waiting request takes a seat, or the KV
+blocks of its first chunk, from a client with two or more running requests more (`_rebalance`: its youngest
+is preempted). So one client that fills every seat with long requests delays another's first token by a step, not
+until its own requests end.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -97,7 +104,9 @@ class Scheduler:
         self.running = RequestQueue()  # admission order: the tail is preempted first
         # NOTE: the baselines never chunk, so their budget must fit the longest allowed prompt.
         self.whole_prompt_budget = max(config.max_num_batched_tokens, max_model_len)
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # for lack of KV blocks: the pressure ladder's signal
+        self.num_fair_preemptions = 0  # to give another client its share (`_rebalance`)
+        self.clients: Counter[Hashable] = Counter()  # unfinished (waiting or running) requests per client
         # prompt tokens one step computes for requests that want their prompt's logprobs: a row of logits over the
         # vocabulary each, PROMPT_LOGPROBS_BYTES of them in all (256 rows at a vocabulary of 262,144, 8,192 at 8,192)
         self.prompt_logprob_rows = prompt_logprob_rows(vocab_size)
@@ -110,6 +119,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.clients[req.client] += 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -122,6 +132,7 @@ class Scheduler:
         self.prompt_rows = self.prompt_logprob_rows  # (what this step's chunks with prompt logprobs may take)
         policy = self.config.scheduling
         if policy == "mixed":
+            self._rebalance()
             budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts, graphs)
             if self.config.itl_slo_ms is not None:  # the prompt tokens a step can add and still meet the target
                 drafting = [r for r in batch.reqs if r.draft]
@@ -240,7 +251,10 @@ class Scheduler:
         # the full prompt blocks this step computes, by hash (docs/architecture.md §4)
         computing = set() if not chunked else {
             h for r, n in zip(batch.reqs, batch.num_new_tokens) if r.is_prefilling for h in fresh(r, n)}
-        for req in list(self.waiting):
+        if budget <= 0 or len(self.running) >= cfg.max_num_seqs or len(batch) >= cfg.max_num_seqs:
+            return 0  # (before ordering the queue: no seat, or no room)
+        seats = self._seats()
+        for req in self._admission_order(seats):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs or len(batch) >= cfg.max_num_seqs:
                 break
             if req.num_placeholders:
@@ -262,7 +276,7 @@ class Scheduler:
                 break  # (first come, first served: no later prompt goes ahead of it)
             if n > budget:
                 break  # an unchunked prompt waits for a step of its own
-            if not self._may_admit(req):
+            if not self._may_admit(req, seats):
                 break
             if not self.bm.allocate(req, n, cached):
                 break
@@ -271,12 +285,71 @@ class Scheduler:
             self.running.append(req)
             self._add(batch, req, n)
             batch.admitted.append(req)
+            if seats is not None:
+                seats[req.client] += 1
             budget -= n
             admitted += 1
             partial += n < remaining
             if chunked:
                 computing.update(fresh(req, n))  # (its cached tokens count as computed now)
         return admitted
+
+    def _seats(self) -> Counter[Hashable] | None:
+        """Running requests per client; None while every unfinished request is one client's (nothing to share)."""
+        return Counter(r.client for r in self.running) if len(self.clients) > 1 else None
+
+    def _admission_order(self, seats: Counter[Hashable] | None) -> list[Request]:
+        """`waiting` in the order `_admit` takes it: as queued with one client; with more, each client's k-th
+        waiting request (its own in queue order) ranked by the seats its client would then hold, `seats[client] + k`,
+        ties in queue order. The preempted, at the front, stay first among their client's."""
+        if seats is None:
+            return list(self.waiting)
+        ahead: Counter[Hashable] = Counter()
+        ranked = []
+        for i, req in enumerate(self.waiting):
+            ranked.append((seats[req.client] + ahead[req.client], i, req))
+            ahead[req.client] += 1
+        ranked.sort(key=lambda x: x[:2])
+        return [req for _, _, req in ranked]
+
+    def _rebalance(self) -> None:
+        """`mixed`, before a step: while every seat is taken, or the free KV blocks do not hold the first chunk of
+        the waiting request whose turn it is (`_next_turn`), and some client holds two or more seats more than that
+        request's client, the most recently admitted running request of the client with the most is preempted
+        (requeued at the front: its client's next). Under KV pressure (`hold`, `static`) only for a client with
+        nothing running, which `_may_admit` lets in. Not KV pressure: counted in `num_fair_preemptions`."""
+        cfg = self.config
+        if len(self.clients) < 2 or not self.waiting or (len(self.running) < cfg.max_num_seqs and self.bm.num_free_blocks
+                                                         >= self.bm.blocks_needed(cfg.max_num_batched_tokens)):
+            return  # (one client, or room for any request's first chunk)
+        seats = Counter(r.client for r in self.running)
+        req = self._next_turn(seats)
+        if req is None or (self.pressure.mode != "normal" and seats[req.client]):
+            return
+        first_chunk = self.bm.blocks_needed(min(req.num_tokens, self._chunk_limit(req), cfg.max_num_batched_tokens))
+        while len(self.running) >= cfg.max_num_seqs or self.bm.num_free_blocks < first_chunk:
+            client, most = seats.most_common(1)[0]
+            if most < seats[req.client] + 2:
+                return
+            victim = next(r for r in reversed(self.running) if r.client == client)
+            self._preempt(victim, fair=True)
+            seats[client] -= 1
+
+    def _next_turn(self, seats: Counter[Hashable]) -> Request | None:
+        """The waiting request `_admission_order` puts first, of those that may be admitted now: the first waiting
+        request of the client with the fewest seats (ties: the one queued first)."""
+        best, fewest, seen = None, 0, set()
+        for req in self.waiting:
+            if req.client in seen:
+                continue
+            seen.add(req.client)
+            if req.num_placeholders or (req.matcher is not None and req.waits_for_mask):
+                continue  # (back once its token, or its grammar's mask, is known)
+            if best is None or seats[req.client] < fewest:
+                best, fewest = req, seats[req.client]
+                if not fewest:
+                    break
+        return best
 
     def _chunk_limit(self, req: Request) -> int:
         """The most tokens of `req`'s prompt one chunk computes: with prompt logprobs, the rows of logits this step
@@ -288,13 +361,14 @@ class Scheduler:
         if req.wants_prompt_logprobs:
             self.prompt_rows -= n
 
-    def _may_admit(self, req: Request) -> bool:
+    def _may_admit(self, req: Request, seats: Counter[Hashable] | None) -> bool:
         """The pressure mode's gate for the head of `waiting`. `normal`: its next chunk fits (the caller checks).
         `hold`: all of its tokens fit beside a block of growth for each running request, so its prompt is not
         started only to be preempted a few steps later (preempted requests wait at the front: they come back
-        first). `static`: nothing. An empty running set always admits, so nothing waits forever."""
+        first). `static`: nothing. An empty running set always admits, so nothing waits forever; nor does a client
+        with nothing running (`seats`: running requests per client, None with one client) behind another's."""
         mode = self.pressure.mode
-        if mode == "normal" or not self.running:
+        if mode == "normal" or not self.running or (seats is not None and not seats[req.client]):
             return True
         if mode == "static":
             return False
@@ -329,13 +403,16 @@ class Scheduler:
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, fair: bool = False) -> None:
         req.draft = []
         self.running.remove(req)
         self.bm.free(req)
         req.status = Status.WAITING
         self.waiting.appendleft(req)
-        self.num_preemptions += 1
+        if fair:
+            self.num_fair_preemptions += 1
+        else:
+            self.num_preemptions += 1
 
     # -- after the step --------------------------------------------------------------------
 
@@ -353,6 +430,10 @@ class Scheduler:
             self.bm.free(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+        if req.status is not Status.FINISHED:
+            self.clients[req.client] -= 1
+            if not self.clients[req.client]:
+                del self.clients[req.client]
         req.status = Status.FINISHED
         req.finish_reason = reason
         if req.mask is not None:

@@ -20,6 +20,7 @@ _ENGINE_COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "num_preemptions": "Requests preempted for lack of KV blocks.",
+    "fair_preemptions": "Requests preempted to give another client its share of the running seats or KV blocks.",
     "num_steps": "Engine steps run.",
     "prompt_tokens_computed": "Prompt tokens run through the model (cache misses).",
     "generation_tokens": "Tokens generated.",

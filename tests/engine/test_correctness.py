@@ -98,6 +98,31 @@ def test_preemption_same_tokens(hf_model, reference):
     assert eng.stats()["num_free_kv_blocks"] == eng.stats()["num_kv_blocks"]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "async-scheduling"])
+def test_tokens_under_fairness_preemptions_equal_transformers(hf_model, reference, overlap):
+    """Each prompt is its own client and two seats are shared: every late client's request preempts an earlier
+    one's (recomputed from its prompt and output so far); the greedy tokens are transformers' all the same, with
+    step N+1 scheduled while step N runs too."""
+    _, _, path = hf_model
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=2, max_model_len=384,
+                                 max_num_batched_tokens=64, long_prefill_token_threshold=64,
+                                 async_scheduling=overlap))
+    prompts, tokens = _prompts(), {}
+    eng.add_request("p0", prompts[0], GREEDY, client="c0")
+    eng.add_request("p1", prompts[1], GREEDY, client="c0")
+    for out in eng.step():
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for i, p in enumerate(prompts[2:], 2):
+        eng.add_request(f"p{i}", p, GREEDY, client=f"c{i}")
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert eng.stats()["fair_preemptions"] > 0
+    for i, ref in enumerate(reference):
+        assert tokens[f"p{i}"] == ref, f"prompt {i}"
+    eng.check_integrity()
+
+
 def test_tensor_parallel_matches_transformers(hf_model, reference):
     """The same tokens with the model sharded over two ranks (gloo; for the one-KV-head shape, that head replicated
     on both): chunked prefill with preemption in a small pool, then every prompt again from the prefix cache."""

@@ -1,0 +1,124 @@
+"""Clients share the running seats (engine/scheduler.py `_admission_order`, `_rebalance`), without a model, as in
+test_scheduler.py (test_correctness.py: the tokens under these preemptions are transformers')."""
+from __future__ import annotations
+
+import pytest
+
+from engine.request import Request, SamplingParams, Status
+from tests.engine.test_scheduler import fake_step, make, run_until_done
+
+_n = iter(range(1, 10**9))
+
+
+def _req(client: str, prompt_len: int = 6, max_tokens: int = 200) -> Request:
+    base = next(_n) * 100_000  # distinct prompts: nothing shared from the prefix cache
+    return Request(f"{client}{base}", [base + i for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens),
+                   max_tokens, client)
+
+
+def test_a_client_that_fills_every_seat_gives_one_to_another_at_the_next_step():
+    """Four seats, all taken by long requests of client a (four more of its own waiting): b's request starts at the
+    next step, a's youngest preempted and queued first among a's; nothing counts as KV pressure. Before, b waited
+    for one of a's 200-token requests to end."""
+    sched = make(max_num_seqs=4)
+    hog = [_req("a") for _ in range(8)]
+    for r in hog:
+        sched.add(r)
+    fake_step(sched, 1024)
+    assert list(sched.running) == hog[:4]
+    b = _req("b")
+    sched.add(b)
+    rec = fake_step(sched, 1024)
+    assert b in rec.reqs and b.status is Status.RUNNING
+    assert list(sched.running) == [*hog[:3], b]
+    assert list(sched.waiting) == hog[3:], "a's preempted request waits first among a's"
+    assert sched.num_fair_preemptions == 1 and sched.num_preemptions == 0 and sched.pressure.mode == "normal"
+    run_until_done(sched, 1024)
+    assert b.finish_reason == "length" and all(r.num_output_tokens == r.max_tokens for r in [*hog, b])
+    assert sched.num_fair_preemptions == 1, "one seat was taken once; a did not take it back"
+    assert not sched.clients
+
+
+def test_one_client_is_never_preempted_for_itself_and_keeps_its_order():
+    sched = make(max_num_seqs=2)
+    reqs = [_req("a", max_tokens=20) for _ in range(6)]
+    for r in reqs:
+        sched.add(r)
+    starts = []
+    while sched.has_unfinished():
+        starts += [r for r in fake_step(sched, 1024).reqs if r not in starts]
+    assert starts == reqs and sched.num_fair_preemptions == 0
+
+
+def test_waiting_clients_take_turns():
+    """a queued five requests before b queued five: the step that admits them takes a, b, a, b, ... (a first: it
+    queued first), not all of a's first."""
+    sched = make(max_num_seqs=6)
+    a, b = [_req("a") for _ in range(5)], [_req("b") for _ in range(5)]
+    for r in a + b:
+        sched.add(r)
+    rec = fake_step(sched, 1024)
+    assert rec.reqs == [a[0], b[0], a[1], b[1], a[2], b[2]]
+
+
+def test_seats_settle_at_an_even_share_without_churn():
+    """Two clients with more requests than seats: each holds two of four, taken from a once (b arrived when a held
+    all four: one preemption gives b one seat, a second one gives it two); never more."""
+    sched = make(max_num_seqs=4)
+    for _ in range(6):
+        sched.add(_req("a", max_tokens=50))
+    fake_step(sched, 1024)
+    for _ in range(6):
+        sched.add(_req("b", max_tokens=50))
+    for _ in range(30):
+        fake_step(sched, 1024)
+        if sched.num_fair_preemptions == 2:
+            break
+    for _ in range(20):
+        fake_step(sched, 1024)
+        assert sorted(r.client for r in sched.running) == ["a", "a", "b", "b"]
+    run_until_done(sched, 1024)
+    assert sched.num_fair_preemptions == 2 and sched.num_preemptions == 0
+
+
+def test_a_client_whose_requests_hold_the_kv_blocks_gives_another_room_for_its_first_chunk():
+    """Eight seats but KV for only a's four long requests: b's prompt starts at the next step."""
+    sched = make(max_model_len=256, num_blocks=16, block_size=16, max_num_seqs=8)
+    hog = [_req("a", prompt_len=60, max_tokens=150) for _ in range(4)]  # 4 blocks each: the pool
+    for r in hog:
+        sched.add(r)
+    fake_step(sched, 256)
+    assert sched.bm.num_free_blocks == 0 and len(sched.running) == 4
+    b = _req("b", prompt_len=20)
+    sched.add(b)
+    rec = fake_step(sched, 256)
+    assert b in rec.reqs and sched.num_fair_preemptions == 1 and hog[3].status is Status.WAITING
+    run_until_done(sched, 256)
+    assert all(r.finish_reason == "length" for r in [*hog, b])
+
+
+@pytest.mark.parametrize("mode", ["hold", "static"])
+def test_under_kv_pressure_only_a_client_with_nothing_running_takes_a_seat(mode):
+    """The pressure ladder still governs admission; a client with nothing running is let in (as an empty running
+    set is: nothing waits forever), one with a request running waits its turn."""
+    sched = make(max_num_seqs=4)
+    hog = [_req("a") for _ in range(4)]
+    for r in hog:
+        sched.add(r)
+    fake_step(sched, 1024)
+    sched.pressure.mode = mode
+    b1, b2 = _req("b"), _req("b")
+    sched.add(b1)
+    sched.add(b2)
+    rec = fake_step(sched, 1024)
+    assert b1 in rec.reqs and b2 not in rec.reqs and sched.num_fair_preemptions == 1
+
+
+def test_the_baseline_policies_do_not_preempt_for_a_share():
+    sched = make(max_num_seqs=2, scheduling="prefill_first")
+    for r in [_req("a"), _req("a")]:
+        sched.add(r)
+    fake_step(sched, 1024)
+    sched.add(_req("b"))
+    fake_step(sched, 1024)
+    assert sched.num_fair_preemptions == 0 and {r.client for r in sched.running} == {"a"}
