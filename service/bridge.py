@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -56,9 +57,11 @@ class EngineBridge:
     loop's one registry of requests in flight (`_handles`)."""
 
     def __init__(self, engine_factory: Callable[[], LLMEngine], *, max_queued: int,
-                 pinned_system_prompts: Sequence[str] = (), metrics: Any = None, step_timeout: float = 0.0,
-                 rebuildable: bool = True, engine_process: bool = False) -> None:
-        """`step_timeout`: seconds a step may run before its engine is declared stuck and replaced (0: never).
+                 max_queued_per_client: int | None = None, pinned_system_prompts: Sequence[str] = (),
+                 metrics: Any = None, step_timeout: float = 0.0, rebuildable: bool = True,
+                 engine_process: bool = False) -> None:
+        """`max_queued`: requests that may wait for the engine; `max_queued_per_client` of them one client's (None:
+        half, so one client never fills the queue for everyone else). `step_timeout`: seconds a step may run before its engine is declared stuck and replaced (0: never).
         `rebuildable`: False for a tensor-parallel engine, whose ranks share its fate: a loss then gives up.
         `engine_process`: the engine runs in a process of its own (service/engine_process.py; `engine_factory` must
         pickle), not on a thread of this one."""
@@ -66,6 +69,7 @@ class EngineBridge:
         self._rebuildable = rebuildable
         self._pinned = list(pinned_system_prompts)
         self._max_queued = max_queued
+        self._max_queued_per_client = max_queued_per_client or max(1, max_queued // 2)
         self._metrics = metrics
         self._step_timeout = step_timeout
         self._host = EngineProcess if engine_process else EngineThread
@@ -75,7 +79,8 @@ class EngineBridge:
         self._ids = itertools.count()
         self._handles: dict[str, RequestHandle] = {}
         self._sent: dict[str, _Sent] = {}  # request_id -> what the engine thread was given, in order
-        self._num_queued = 0  # handles submitted but not started: the admission queue
+        self._queued: dict[str, Hashable] = {}  # handles submitted but not started (the admission queue): client
+        self._queued_by: Counter[Hashable] = Counter()  # the admission queue's requests per client
         self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready
         self._tokenizer = FairExecutor("sluice-tokenizer", initializer=_yield_to_the_engine)  # clients in turn
         # request_id -> its prompt's ids, to come, and the ids of the choices that share that prompt (`submit_choices`)
@@ -116,6 +121,11 @@ class EngineBridge:
     def num_in_flight(self) -> int:
         return len(self._handles)
 
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for the engine (submitted, not started)."""
+        return len(self._queued)
+
     def generation_tokens_per_s(self) -> float:
         return self._rate.per_s(time.monotonic())
 
@@ -136,19 +146,26 @@ class EngineBridge:
                                          extra=[x for x in (req.tools, req.documents, req.template_kwargs) if x])
         except PromptTooLongError as e:
             raise RequestError("prompt_too_long", str(e)) from None
-        if len(params) > self._max_queued:
-            raise RequestError("invalid_message", f"{len(params)} choices are more than the server queues "
-                                                  f"({self._max_queued}, --max-queued-requests)", "n")
-        if self._num_queued + len(params) > self._max_queued:
+        share = self._max_queued_per_client
+        if len(params) > share:
+            raise RequestError("invalid_message", f"{len(params)} choices are more than the server queues for one "
+                                                  f"client ({share}, --max-queued-requests-per-client)", "n")
+        if len(self._queued) + len(params) > self._max_queued:
             raise RequestError("overloaded", f"the server queue is full ({self._max_queued} requests "
                                              "waiting); retry later")
+        if self._queued_by[req.client] + len(params) > share:
+            raise RequestError("overloaded", f"this client has {self._queued_by[req.client]} requests waiting for the "
+                                             f"engine, and may have {share} (--max-queued-requests-per-client); "
+                                             "retry when they have started")
         handles = [RequestHandle(str(next(self._ids)), req.api, notify) for _ in params]
         future = asyncio.wrap_future(self._tokenizer.submit(req.client, self._tokenize, req))
         group = [h.request_id for h in handles]
         for h in handles:
             self._handles[h.request_id] = h
             self._tokenizing[h.request_id] = (future, group)
-        self._num_queued += len(handles)
+        for h in handles:
+            self._queued[h.request_id] = req.client
+        self._queued_by[req.client] += len(handles)
         future.add_done_callback(lambda f: [self._tokenized(h, req, p, f) for h, p in zip(handles, params)])
         return handles
 
@@ -260,7 +277,7 @@ class EngineBridge:
         assert self._engine is not None
         if req.echo_ids:  # (the engine's logprobs, if it sends them, take their place)
             handle.prompt_scores = PromptScores.of(ids, None)
-        add = Add(handle.request_id, ids, params, req.fit_max_tokens)
+        add = Add(handle.request_id, ids, params, req.fit_max_tokens, req.client)
         self._sent[handle.request_id] = _Sent(add)
         self._engine.send(add)
 
@@ -396,17 +413,23 @@ class EngineBridge:
 
     def _start(self, handle: RequestHandle, prompt_tokens: int, cached_tokens: int, at: float) -> None:
         handle.start(prompt_tokens, cached_tokens, at)
-        self._num_queued -= 1
+        self._dequeue(handle)
 
     def _finish(self, handle: RequestHandle, reason: str | None, error: RequestError | None) -> None:
         if not handle.started:
-            self._num_queued -= 1
+            self._dequeue(handle)
         handle.finish(reason, error)
         del self._handles[handle.request_id]
         self._sent.pop(handle.request_id, None)
         if self._metrics:
             self._metrics.observe_finish(handle, reason if error is None else "error")
         handle.notify()
+
+    def _dequeue(self, handle: RequestHandle) -> None:
+        client = self._queued.pop(handle.request_id)
+        self._queued_by[client] -= 1
+        if not self._queued_by[client]:
+            del self._queued_by[client]
 
 
 def _rebuild(holder: list[LLMEngine], factory: Callable[[], LLMEngine], keep_cache: bool = False) -> LLMEngine:

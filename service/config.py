@@ -86,6 +86,7 @@ class ServerConfig:
     ws_ping_timeout: float = 20.0
     max_inflight_per_connection: int = 16
     max_queued_requests: int = 1024
+    max_queued_requests_per_client: int | None = None  # of those, one client's (an address); None: half
     max_message_bytes: int = 1 << 20
     timeout_graceful_shutdown: float = 20.0
     engine_iteration_timeout_s: float = 300.0  # a step running longer is stuck: its engine is replaced; 0: never
@@ -105,6 +106,8 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("--max-connections must be >= 1")
+        if self.max_queued_requests_per_client is not None and self.max_queued_requests_per_client < 1:
+            raise ValueError("--max-queued-requests-per-client must be >= 1")
         if self.timeout_graceful_shutdown < 0:
             raise ValueError("--timeout-graceful-shutdown must be >= 0")
         if not self.engine_iteration_timeout_s >= 0:
@@ -371,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most concurrent chats on one WebSocket (default: %(default)s)")
     s.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                    help="requests waiting for the engine before new ones are refused as overloaded (default: %(default)s)")
+    s.add_argument("--max-queued-requests-per-client", type=int, default=d.max_queued_requests_per_client,
+                   metavar="N", help="of those, one client's (a peer address, WebSocket and HTTP together), so one "
+                                     "cannot fill the queue for the others (default: half of --max-queued-requests)")
     s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="largest WebSocket frame (close 1009) and HTTP request body (413) (default: %(default)s)")
     s.add_argument("--timeout-graceful-shutdown", type=float, default=d.timeout_graceful_shutdown,

@@ -40,6 +40,7 @@ class Add:
     prompt_ids: list[int]
     params: SamplingParams
     fit_max_tokens: bool  # False: a max_tokens the prompt leaves no room for is refused, not capped
+    client: str | None = None  # who asks (the engine shares its seats between clients)
     resume: Checkpoint | None = None  # it ran in an engine that failed; its caller has what this holds
 
 
@@ -251,7 +252,7 @@ class EngineWorker:
         """The engine decides whether a request is valid; its exceptions become protocol errors here."""
         try:
             engine.add_request(add.request_id, add.prompt_ids, add.params, fit_max_tokens=add.fit_max_tokens,
-                               resume=add.resume)
+                               resume=add.resume, client=add.client)
         except Exception as e:
             if add.resume is None and isinstance(e, PromptTooLongError):
                 return Failure(add.request_id, "prompt_too_long", str(e), e.param)

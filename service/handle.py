@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -107,7 +107,9 @@ class GenerateRequest:
     params: SamplingParams  # max_tokens None: all the context the prompt leaves
     fit_max_tokens: bool = True  # cap max_tokens to the context the prompt leaves; False: refuse the request
     api: str = "ws"  # metrics label
-    client: Hashable = None  # who asks (a WebSocket connection, an HTTP peer's address): the tokenizer takes turns
+    # who asks: the peer's address (a WebSocket's or an HTTP request's). Clients take turns on the tokenizer, each may
+    # hold a share of the admission queue, and the engine shares its running seats between them
+    client: str | None = None
     # the tokenizer's own special tokens (vLLM's add_special_tokens; None: for a text, not for a chat's template)
     add_special_tokens: bool | None = None
     # a chat's template options (vLLM's, engine/processor.py `chat_ids`)

@@ -37,6 +37,7 @@ class Service:
         pinned = [Path(p).read_text(encoding="utf-8") for p in config.pin_system_prompt]
         self.metrics = Metrics(lambda: self.bridge.stats)
         self.bridge = EngineBridge(engine_factory, max_queued=config.max_queued_requests,
+                                   max_queued_per_client=config.max_queued_requests_per_client,
                                    pinned_system_prompts=pinned, metrics=self.metrics,
                                    step_timeout=config.engine_iteration_timeout_s,
                                    rebuildable=(config.tensor_parallel_size or 1) == 1,

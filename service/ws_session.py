@@ -47,9 +47,11 @@ class _Chat:
 class Session:
     """`receive` each client frame; `wake` is called whenever `next_frames` has something new."""
 
-    def __init__(self, svc: Service, wake: Callable[[], None]) -> None:
+    def __init__(self, svc: Service, wake: Callable[[], None], client: str | None = None) -> None:
+        """`client`: the peer's address (`GenerateRequest.client`)."""
         self.svc = svc
         self.wake = wake
+        self.client = client
         self.chats: dict[str, _Chat] = {}  # in flight: until its done/error frame is taken
         self.close_code: int | None = None  # set: send what is pending, then close with this code
         self._control: deque[ServerMessage] = deque()
@@ -121,7 +123,7 @@ class Session:
             if (so := kwargs.get("structured_output")) is not None:  # (a reasoning model's reasoning: free)
                 kwargs["structured_output"] = after_reasoning(self.svc.config.reasoning_parser, so)
             params = sampling_params(self.svc.bridge.sampling_defaults, max_tokens=msg.max_tokens, **kwargs)
-            request = GenerateRequest(prompt=msg.messages, chat=True, params=params, api="ws", client=self)
+            request = GenerateRequest(prompt=msg.messages, chat=True, params=params, api="ws", client=self.client)
             # NOTE: the bridge never notifies inside `submit`, so the chat is registered below before its first mark
             handle = self.svc.bridge.submit(request, lambda: self._mark(msg.id))
         except RequestError as e:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 from bench.flooder import FRAME
@@ -167,7 +168,9 @@ async def test_costly_prompts_on_one_socket_do_not_hold_back_another_clients_cha
     after every one left (it took them in arrival order: seconds of queue for everyone else)."""
     big = "hello " * (250_000 // 6)  # characters / 16 stays under four contexts (4 x 4096 tokens): not refused early
     flood_errors: list[float] = []
-    async with connect(server.ws_url, max_size=None) as flood, connect(server.ws_url, max_size=None) as other:
+    # (another client: another address; connections from one address are one client)
+    async with connect(server.ws_url, max_size=None) as flood, \
+            connect(server.ws_url, max_size=None, local_addr=("127.0.0.2", 0)) as other:
         assert (await recv(flood))["type"] == "ready" and (await recv(other))["type"] == "ready"
         for i in range(16):
             await flood.send(json.dumps(user_chat(f"f{i}", big)))
@@ -191,3 +194,53 @@ async def test_costly_prompts_on_one_socket_do_not_hold_back_another_clients_cha
         await reader
     before = sum(t < started for t in flood_errors) - (16 - left)
     assert before <= 2, f"{before} of the {left} costly prompts left were tokenized before the other client's chat"
+
+
+async def _wait_stats(ws, running: int, waiting: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        await ws.send(json.dumps({"type": "stats"}))
+        stats = await recv(ws)
+        if (stats["num_running"], stats["num_waiting"]) == (running, waiting):
+            return
+        assert time.monotonic() < deadline, f"not {running} running and {waiting} waiting: {stats}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_client_that_fills_every_seat_leaves_one_for_another(tiny_model_dir, tmp_path) -> None:
+    """Four seats (`--max-num-seqs=4`) and a queue of 16: one address's twelve chats of nearly the whole context
+    take every seat and queue the rest, its half of the queue (a thirteenth, from another connection of the same
+    address, the same client, is refused as overloaded). A chat from another address is admitted, takes a seat
+    from it at the next step and is done while every one of the twelve still runs or waits; /metrics counts the
+    seat taken. Before, the other chat waited for one of the twelve to end (~4,000 tokens)."""
+    server = start_server(tmp_path, f"--max-model-len={MAX_MODEL_LEN}", "--max-num-seqs=4",
+                          "--max-queued-requests=16")
+    try:
+        model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+        async with connect(server.ws_url) as hog, connect(server.ws_url) as same_address:
+            assert (await recv(hog))["type"] == "ready" and (await recv(same_address))["type"] == "ready"
+            for i in range(12):  # (8, then 4 more once 4 run: 8 at once is all one client may queue)
+                await hog.send(json.dumps(user_chat(f"h{i}", f"hog {i}", max_tokens=LONG, ignore_eos=True)))
+                if i == 7:
+                    await _wait_stats(same_address, running=4, waiting=4)
+            await _wait_stats(same_address, running=4, waiting=8)
+            await same_address.send(json.dumps(user_chat("more", "one more", max_tokens=2)))
+            refused = await recv(same_address)
+            assert (refused["type"], refused["code"]) == ("error", "overloaded"), refused
+            assert "--max-queued-requests-per-client" in refused["message"], refused
+
+            before = finished_requests(server)
+            async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                         transport=httpx.AsyncHTTPTransport(local_address="127.0.0.2")) as other:
+                r = await other.post("/v1/chat/completions", json={
+                    "model": model, "max_tokens": 2, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "my turn"}]})
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+            after = finished_requests(server)
+            ended = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+            assert ended == {"length": 1}, f"requests ended before the other client's: {ended} (its own is one)"
+        fair = sum(s.value for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+                   for s in f.samples if s.name == "sluice_fair_preemptions_total")
+        assert fair >= 1
+    finally:
+        assert server.stop() == 0, server.log_tail(60)

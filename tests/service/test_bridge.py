@@ -77,7 +77,7 @@ async def test_abort_while_tokenizing_never_reaches_the_engine(bridge: EngineBri
                            abort_at_once=True)
     assert handle.finish_reason == "abort" and handle.completion_tokens == 0
     assert handle.prompt_tokens == 0  # started, as far as a client can tell: `done` always follows `start`
-    assert bridge.num_in_flight == 0 and bridge._num_queued == 0 and bridge.stats.get("num_steps", 0) == steps
+    assert bridge.num_in_flight == 0 and bridge.num_queued == 0 and bridge.stats.get("num_steps", 0) == steps
 
 
 async def test_choices_share_one_tokenization(bridge: EngineBridge) -> None:
@@ -95,10 +95,42 @@ async def test_choices_share_one_tokenization(bridge: EngineBridge) -> None:
     assert [h.finish_reason for h in handles] == ["length", "abort", "length"]
     assert [handles[0].completion_tokens, handles[2].completion_tokens] == [2, 4]
     assert [kind for kind, _ in RecordingProcessor.calls] == ["chat"]
-    assert bridge.num_in_flight == 0 and bridge._num_queued == 0
+    assert bridge.num_in_flight == 0 and bridge.num_queued == 0
     with pytest.raises(RequestError) as e:
         bridge.submit_choices(GenerateRequest(prompt="x", chat=False, params=params[0]), done.set, params * 6)
-    assert (e.value.code, e.value.param) == ("invalid_message", "n")  # 18 choices; the queue holds 16
+    assert (e.value.code, e.value.param) == ("invalid_message", "n")  # 18 choices; one client queues 8 of 16
+    assert "--max-queued-requests-per-client" in e.value.message
+
+
+async def test_one_client_may_fill_half_the_queue(bridge: EngineBridge) -> None:
+    """The queue holds 16, one client (an address) 8 of them: its ninth waiting request is refused as overloaded
+    (retry later), another client's still queues; once the first's requests have started, it may queue again."""
+    done = asyncio.Event()
+    long = SamplingParams(max_tokens=MAX_LEN, ignore_eos=True)
+
+    def ask(client: str, n: int = 1) -> list[RequestHandle]:
+        req = GenerateRequest(prompt="hello", chat=False, params=long, client=client)
+        return bridge.submit_choices(req, done.set, [long] * n)
+
+    hog = ask("10.0.0.1", 8)
+    with pytest.raises(RequestError) as e:
+        ask("10.0.0.1")
+    assert e.value.code == "overloaded" and "has 8 requests waiting" in e.value.message
+    other = ask("10.0.0.2", 8)
+    assert bridge.num_queued == 16
+    with pytest.raises(RequestError) as e:
+        ask("10.0.0.3")
+    assert e.value.code == "overloaded" and "queue is full" in e.value.message
+    while bridge.num_queued:  # (the engine starts them all: 64 seats)
+        done.clear()
+        await asyncio.wait_for(done.wait(), 60)
+    again = ask("10.0.0.1", 8)
+    for h in hog + other + again:
+        bridge.abort(h)
+    while not all(h.finished for h in hog + other + again):
+        done.clear()
+        await asyncio.wait_for(done.wait(), 60)
+    assert bridge.num_in_flight == 0 and bridge.num_queued == 0
 
 
 async def test_a_grammar_refused_after_admission_is_the_clients_error(bridge: EngineBridge, monkeypatch) -> None:

@@ -25,6 +25,7 @@ class Wire:
     def __init__(self, fast: bool = True) -> None:
         self.sent: list[tuple[str, dict]] = []
         self.take_now, self.fail_now, self.closed = True, False, None
+        self.client = None  # (starlette's peer address: none)
         self.gate: asyncio.Event | None = None  # set: the writer's sends wait for it
         self.sending = False
         self.scope = {"extensions": {SEND_TEXT_NOW: self.send_text_now}} if fast else {}
