@@ -248,10 +248,10 @@ class LLMEngine:
         if bm.host:
             bm.host.evictions = stats["host_cache_evictions"]
 
-    def _bad_words_ids(self, words: list[str], vocab: int) -> list[list[int]]:
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         key = tuple(words)
         if (seqs := self._bad_words.pop(key, None)) is None:
-            seqs = bad_words_ids(self.tokenizer, words, vocab)
+            seqs = self.processor.bad_words_ids(words)
         self._bad_words[key] = seqs
         if len(self._bad_words) > 64:
             self._bad_words.popitem(last=False)
@@ -260,6 +260,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *, fit_max_tokens: bool = True,
         resume: Checkpoint | None = None, add_special_tokens: bool = True, client: Hashable = None,
+        bad_words_token_ids: list[list[int]] | None = None,
     ) -> None:
         """Raises `PromptTooLongError` if the prompt leaves no room for a token, `ValueError` if it is bad.
 
@@ -270,7 +271,9 @@ class LLMEngine:
         recomputed as a preempted request's are, and what comes out next is what that engine would have sent.
         `add_special_tokens`: a str prompt is tokenized with the special tokens its tokenizer adds to a text (a BOS),
         as Hugging Face's tokenizers and vLLM do. `client`: who asks (a server's peer address; None: the one client);
-        requests of several clients share the running seats (engine/scheduler.py)."""
+        requests of several clients share the running seats (engine/scheduler.py). `bad_words_token_ids`:
+        `params.bad_words` as `InputProcessor.bad_words_ids` makes them, made by the caller (a server's tokenizer
+        thread), so this thread does not tokenize them."""
         params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -303,7 +306,9 @@ class LLMEngine:
         compiling = params.structured_output is not None and not self._grammar(req)
         try:
             if params.bad_words:
-                for ids in self._bad_words_ids(params.bad_words, vocab):
+                if bad_words_token_ids is None:
+                    bad_words_token_ids = self._bad_words_ids(params.bad_words)
+                for ids in bad_words_token_ids:
                     if len(ids) == 1:
                         req.bad_tokens.append(ids[0])
                     else:
@@ -978,20 +983,6 @@ class LLMEngine:
             "spec_accepted_tokens": spec.num_accepted_tokens if spec else 0,
             "spec_declined_steps": spec.num_declined if spec else 0,
         }
-
-
-def bad_words_ids(tokenizer: Any, words: list[str], vocab: int) -> list[list[int]]:
-    """vLLM's `bad_words` as token id sequences: each word's tokens alone (a text's first word) and after a space (a
-    word inside a text), as vLLM tokenizes them; one with an id outside the vocabulary is dropped. (256 words of 256
-    letters: ~35 ms of the engine thread, in one batched call of the tokenizer; `add_request` keeps the latest lists.)"""
-    texts = [text for word in words for text in (word.lstrip(), " " + word.lstrip())]
-    out: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
-    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []:
-        if ids and max(ids) < vocab and (key := tuple(ids)) not in seen:
-            seen.add(key)
-            out.append(list(ids))
-    return out
 
 
 def _resume(req: Request, ckpt: Checkpoint) -> None:

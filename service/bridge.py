@@ -37,6 +37,7 @@ from service.handle import GenerateRequest, PromptScores, RequestError, RequestH
 log = logging.getLogger("sluice.bridge")
 
 T = TypeVar("T")
+_Prepared = tuple[list[int], list[list[int]] | None]  # a prompt's ids and its bad_words' (`EngineBridge._prepare`)
 TOKENIZER_NICENESS = 10  # added to the tokenizer thread's niceness
 MAX_RESTARTS = 3  # engine rebuilds within RESTART_WINDOW_S; one more failure in the window and the service gives up
 RESTART_WINDOW_S = 300.0
@@ -83,8 +84,9 @@ class EngineBridge:
         self._queued_by: Counter[Hashable] = Counter()  # the admission queue's requests per client
         self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready
         self._tokenizer = FairExecutor("sluice-tokenizer", initializer=_yield_to_the_engine)  # clients in turn
-        # request_id -> its prompt's ids, to come, and the ids of the choices that share that prompt (`submit_choices`)
-        self._tokenizing: dict[str, tuple[asyncio.Future[list[int]], list[str]]] = {}
+        # request_id -> its prompt's ids and bad_words' (`_prepare`), to come, and the ids of the choices that share
+        # that prompt (`submit_choices`)
+        self._tokenizing: dict[str, tuple[asyncio.Future[_Prepared], list[str]]] = {}
         self._aborted_early: set[str] = set()  # aborted while their prompt was queued or being tokenized
         self._rate = TokenRate()
         self.ready = False
@@ -158,7 +160,7 @@ class EngineBridge:
                                              f"engine, and may have {share} (--max-queued-requests-per-client); "
                                              "retry when they have started")
         handles = [RequestHandle(str(next(self._ids)), req.api, notify) for _ in params]
-        future = asyncio.wrap_future(self._tokenizer.submit(req.client, self._tokenize, req))
+        future = asyncio.wrap_future(self._tokenizer.submit(req.client, self._prepare, req))
         group = [h.request_id for h in handles]
         for h in handles:
             self._handles[h.request_id] = h
@@ -168,6 +170,13 @@ class EngineBridge:
         self._queued_by[req.client] += len(handles)
         future.add_done_callback(lambda f: [self._tokenized(h, req, p, f) for h, p in zip(handles, params)])
         return handles
+
+    def _prepare(self, req: GenerateRequest) -> _Prepared:
+        """On the tokenizer thread: the prompt's ids, and its `bad_words`' (so the engine thread tokenizes nothing:
+        256 long words are ~35 ms of tokenizer)."""
+        assert self._processor is not None
+        ids = self._tokenize(req)
+        return ids, self._processor.bad_words_ids(req.params.bad_words) if req.params.bad_words else None
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         """On the tokenizer thread."""
@@ -255,7 +264,7 @@ class EngineBridge:
             self.abort(handle)
 
     def _tokenized(self, handle: RequestHandle, req: GenerateRequest, params: SamplingParams,
-                   future: asyncio.Future[list[int]]) -> None:
+                   future: asyncio.Future[_Prepared]) -> None:
         """On the loop, each client's in submission order (service/fair_executor.py): hand the ids to the engine, or
         finish the request here."""
         del self._tokenizing[handle.request_id]
@@ -268,7 +277,7 @@ class EngineBridge:
             self._start(handle, 0, 0, time.monotonic())
             return self._finish(handle, "abort", None)
         try:
-            ids = future.result()  # unchecked: the engine decides whether they make a prompt
+            ids, bad_words = future.result()  # unchecked: the engine decides whether they make a prompt
         except ValueError as e:  # the chat template refused the messages
             return self._finish(handle, None, RequestError("invalid_message", str(e)))
         except Exception as e:  # the tokenizer itself failed: ours, not the client's
@@ -277,7 +286,8 @@ class EngineBridge:
         assert self._engine is not None
         if req.echo_ids:  # (the engine's logprobs, if it sends them, take their place)
             handle.prompt_scores = PromptScores.of(ids, None)
-        add = Add(handle.request_id, ids, params, req.fit_max_tokens, req.client)
+        add = Add(handle.request_id, ids, params, req.fit_max_tokens, req.client,
+                  bad_words if params.bad_words == req.params.bad_words else None)  # (a choice's own: the engine's)
         self._sent[handle.request_id] = _Sent(add)
         self._engine.send(add)
 

@@ -41,6 +41,7 @@ class Add:
     params: SamplingParams
     fit_max_tokens: bool  # False: a max_tokens the prompt leaves no room for is refused, not capped
     client: str | None = None  # who asks (the engine shares its seats between clients)
+    bad_words_ids: list[list[int]] | None = None  # params.bad_words as token ids, made on the tokenizer thread
     resume: Checkpoint | None = None  # it ran in an engine that failed; its caller has what this holds
 
 
@@ -252,7 +253,7 @@ class EngineWorker:
         """The engine decides whether a request is valid; its exceptions become protocol errors here."""
         try:
             engine.add_request(add.request_id, add.prompt_ids, add.params, fit_max_tokens=add.fit_max_tokens,
-                               resume=add.resume, client=add.client)
+                               resume=add.resume, client=add.client, bad_words_token_ids=add.bad_words_ids)
         except Exception as e:
             if add.resume is None and isinstance(e, PromptTooLongError):
                 return Failure(add.request_id, "prompt_too_long", str(e), e.param)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.engine import bad_words_ids
+from engine.processor import bad_words_ids
 
 PROMPT = "Once upon a time"
 
@@ -66,7 +66,8 @@ def test_bad_words_are_tokenized_in_one_call_once_per_list(tiny_model_dir):
     counting = _Counting(eng.tokenizer)
     assert bad_words_ids(counting, words, 1024) == bad_words_ids(eng.tokenizer, ["wepa", "zo"], 1024)
     assert counting.calls == 1
-    eng.tokenizer = counting
-    eng.generate([PROMPT] * 12, SamplingParams(max_tokens=2, bad_words=words))
+    prompt = eng.processor.prompt_ids(PROMPT, chat=False)  # (ids: the processor tokenizes no prompt below)
+    eng.processor.tokenizer = counting
+    eng.generate([prompt] * 12, SamplingParams(max_tokens=2, bad_words=words))
     assert counting.calls == 2  # (the list above, and this batch's 12 prompts: a request's n choices are as many)
     eng.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -30,6 +31,10 @@ class RecordingProcessor(InputProcessor):
     def text_ids(self, text, add_special_tokens=True):
         self.calls.append(("text", threading.current_thread().name))
         return super().text_ids(text, add_special_tokens)
+
+    def bad_words_ids(self, words):
+        self.calls.append(("bad_words", threading.current_thread().name))
+        return super().bad_words_ids(words)
 
 
 @pytest.fixture
@@ -69,6 +74,24 @@ async def test_the_engine_thread_never_tokenizes(bridge: EngineBridge) -> None:
     kinds = {kind for kind, _ in RecordingProcessor.calls}
     threads = {name for _, name in RecordingProcessor.calls}
     assert kinds == {"chat", "text"} and all(t.startswith("sluice-tokenizer") for t in threads), threads
+
+
+async def test_bad_words_are_tokenized_on_the_tokenizer_thread(bridge: EngineBridge) -> None:
+    """A request's `bad_words` (256 long words: ~35 ms of tokenizer) are tokenized with its prompt, once for its
+    choices, never on the engine thread, where they held every stream; the engine bans them all the same."""
+    done = asyncio.Event()
+    params = SamplingParams(ignore_eos=True, max_tokens=8, temperature=0.0, logprobs=0)
+    req = GenerateRequest(prompt="once upon", chat=False, params=params)
+    text, _, lps = (await _finish(bridge, req)).take()
+    first_id, first = lps[0][:2]  # (the greedy answer's first token, and its text: banned)
+    banned = replace(params, bad_words=[first])
+    handles = bridge.submit_choices(replace(req, params=banned), done.set, [banned] * 3)
+    while not all(h.finished for h in handles):
+        done.clear()
+        await asyncio.wait_for(done.wait(), 60)
+    assert [(h.finish_reason, h.take()[2][0][0] != first_id) for h in handles] == [("length", True)] * 3, first
+    calls = [name for kind, name in RecordingProcessor.calls if kind == "bad_words"]
+    assert len(calls) == 1 and calls[0].startswith("sluice-tokenizer"), RecordingProcessor.calls
 
 
 async def test_abort_while_tokenizing_never_reaches_the_engine(bridge: EngineBridge) -> None:

@@ -382,7 +382,7 @@ def test_return_tokens_as_token_ids(client: openai.OpenAI, model: str, tiny_mode
 def test_bad_words(client: openai.OpenAI, model: str, tiny_model_dir) -> None:
     """vLLM's `bad_words`: the words of a greedy answer, banned, never come back as its tokens (alone or after a
     space), so the answer is another from its first token on."""
-    from engine.engine import bad_words_ids
+    from engine.processor import bad_words_ids
     from engine.loader import load_tokenizer
 
     greedy = dict(model=model, prompt="Once upon a time", max_tokens=40, temperature=0.0, logprobs=0)
