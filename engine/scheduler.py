@@ -317,7 +317,8 @@ class Scheduler:
         the waiting request whose turn it is (`_next_turn`), and some client holds two or more seats more than that
         request's client, the most recently admitted running request of the client with the most is preempted
         (requeued at the front: its client's next). Under KV pressure (`hold`, `static`) only for a client with
-        nothing running, which `_may_admit` lets in. Not KV pressure: counted in `num_fair_preemptions`."""
+        nothing running (another then holds two or more), which `_may_admit` lets in. Not KV pressure: counted in
+        `num_fair_preemptions`."""
         cfg = self.config
         if len(self.clients) < 2 or not self.waiting or (len(self.running) < cfg.max_num_seqs and self.bm.num_free_blocks
                                                          >= self.bm.blocks_needed(cfg.max_num_batched_tokens)):
@@ -366,9 +367,11 @@ class Scheduler:
         `hold`: all of its tokens fit beside a block of growth for each running request, so its prompt is not
         started only to be preempted a few steps later (preempted requests wait at the front: they come back
         first). `static`: nothing. An empty running set always admits, so nothing waits forever; nor does a client
-        with nothing running (`seats`: running requests per client, None with one client) behind another's."""
+        with nothing running behind another that holds two or more seats (`seats`: running requests per client, None
+        with one client); clients of a request each still wait out the pressure together."""
         mode = self.pressure.mode
-        if mode == "normal" or not self.running or (seats is not None and not seats[req.client]):
+        if mode == "normal" or not self.running or (seats is not None and not seats[req.client]
+                                                    and max(seats.values(), default=0) >= 2):
             return True
         if mode == "static":
             return False

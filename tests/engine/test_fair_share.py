@@ -99,8 +99,9 @@ def test_a_client_whose_requests_hold_the_kv_blocks_gives_another_room_for_its_f
 
 @pytest.mark.parametrize("mode", ["hold", "static"])
 def test_under_kv_pressure_only_a_client_with_nothing_running_takes_a_seat(mode):
-    """The pressure ladder still governs admission; a client with nothing running is let in (as an empty running
-    set is: nothing waits forever), one with a request running waits its turn."""
+    """The pressure ladder still governs admission; a client with nothing running behind one holding two or more
+    seats is let in (as an empty running set is: nothing waits forever), one with a request running waits its turn,
+    and clients of one request each wait the pressure out together (`static` still admits nothing while they run)."""
     sched = make(max_num_seqs=4)
     hog = [_req("a") for _ in range(4)]
     for r in hog:
@@ -112,6 +113,16 @@ def test_under_kv_pressure_only_a_client_with_nothing_running_takes_a_seat(mode)
     sched.add(b2)
     rec = fake_step(sched, 1024)
     assert b1 in rec.reqs and b2 not in rec.reqs and sched.num_fair_preemptions == 1
+
+    sched = make(max_num_seqs=4)
+    ones = [_req(c) for c in "abc"]
+    for r in ones:
+        sched.add(r)
+    fake_step(sched, 1024)
+    sched.pressure.mode = "static"
+    late = _req("d")
+    sched.add(late)
+    assert late not in fake_step(sched, 1024).reqs and sched.num_fair_preemptions == 0
 
 
 def test_the_baseline_policies_do_not_preempt_for_a_share():
