@@ -121,7 +121,8 @@ class CrashesOnce(DiesOnce):
 
 async def _serve(factory, prompts: list[list[int]], output: int, engine_process: bool = False) -> dict:
     """Runs `prompts` through a bridge over `factory`; per chat its text, token times and count; when it was ready."""
-    b = EngineBridge(factory, max_queued=len(prompts) + 1, engine_process=engine_process)
+    b = EngineBridge(factory, max_queued=len(prompts) + 1, max_queued_per_client=len(prompts) + 1,
+                     engine_process=engine_process)
     readies: list[float] = []
     on_ready = b.on_ready
     b.on_ready = lambda ready: (readies.append(time.monotonic()), on_ready(ready))  # type: ignore[method-assign]

@@ -107,6 +107,7 @@ class Scheduler:
         self.num_preemptions = 0  # for lack of KV blocks: the pressure ladder's signal
         self.num_fair_preemptions = 0  # to give another client its share (`_rebalance`)
         self.clients: Counter[Hashable] = Counter()  # unfinished (waiting or running) requests per client
+        self.granted: Request | None = None  # the waiting request `_rebalance` took a seat for: the seat is its
         # prompt tokens one step computes for requests that want their prompt's logprobs: a row of logits over the
         # vocabulary each, PROMPT_LOGPROBS_BYTES of them in all (256 rows at a vocabulary of 262,144, 8,192 at 8,192)
         self.prompt_logprob_rows = prompt_logprob_rows(vocab_size)
@@ -254,9 +255,12 @@ class Scheduler:
         if budget <= 0 or len(self.running) >= cfg.max_num_seqs or len(batch) >= cfg.max_num_seqs:
             return 0  # (before ordering the queue: no seat, or no room)
         seats = self._seats()
+        held = self._held()
         for req in self._admission_order(seats):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs or len(batch) >= cfg.max_num_seqs:
                 break
+            if held is not None and req is not held and len(self.running) + 1 >= cfg.max_num_seqs:
+                continue  # (the last seat is the one taken for `held`)
             if req.num_placeholders:
                 break  # preempted while its token was being sampled (async scheduling): back once it is known
             if req.matcher is not None and req.waits_for_mask:
@@ -276,7 +280,7 @@ class Scheduler:
                 break  # (first come, first served: no later prompt goes ahead of it)
             if n > budget:
                 break  # an unchunked prompt waits for a step of its own
-            if not self._may_admit(req, seats):
+            if not self._may_admit(req):
                 break
             if not self.bm.allocate(req, n, cached):
                 break
@@ -285,8 +289,8 @@ class Scheduler:
             self.running.append(req)
             self._add(batch, req, n)
             batch.admitted.append(req)
-            if seats is not None:
-                seats[req.client] += 1
+            if req is held:
+                held = self.granted = None
             budget -= n
             admitted += 1
             partial += n < remaining
@@ -313,28 +317,40 @@ class Scheduler:
         return [req for _, _, req in ranked]
 
     def _rebalance(self) -> None:
-        """`mixed`, before a step: while every seat is taken, or the free KV blocks do not hold the first chunk of
-        the waiting request whose turn it is (`_next_turn`), and some client holds two or more seats more than that
-        request's client, the most recently admitted running request of the client with the most is preempted
-        (requeued at the front: its client's next). Under KV pressure (`hold`, `static`) only for a client with
-        nothing running (another then holds two or more), which `_may_admit` lets in. Not KV pressure: counted in
-        `num_fair_preemptions`."""
+        """`mixed`, before a step: a waiting request whose turn it is (`_next_turn`) takes a seat from a client that
+        holds two or more more than its client: that client's most recently admitted running request is preempted
+        (requeued at the front: its client's next), and the seat is held for the request (`granted`) until it is
+        admitted, so the seat is taken once, never traded back and forth. Under `normal`, while every seat is taken
+        or the free KV blocks do not hold the request's first chunk; under KV pressure (`hold`, `static`), for a client
+        with nothing running only, one running request for the one admitted past the mode (`_may_admit`), so the
+        pressure stays what it was. Not KV pressure: counted in `num_fair_preemptions`."""
         cfg = self.config
-        if len(self.clients) < 2 or not self.waiting or (len(self.running) < cfg.max_num_seqs and self.bm.num_free_blocks
-                                                         >= self.bm.blocks_needed(cfg.max_num_batched_tokens)):
-            return  # (one client, or room for any request's first chunk)
+        pressure = self.pressure.mode != "normal"
+        if len(self.clients) < 2 or not self.waiting or self._held() is not None or (
+                not pressure and len(self.running) < cfg.max_num_seqs
+                and self.bm.num_free_blocks >= self.bm.blocks_needed(cfg.max_num_batched_tokens)):
+            return  # (one client; a seat already held; or room for any request's first chunk)
         seats = Counter(r.client for r in self.running)
         req = self._next_turn(seats)
-        if req is None or (self.pressure.mode != "normal" and seats[req.client]):
+        if req is None or not seats or (pressure and seats[req.client]):
             return
         first_chunk = self.bm.blocks_needed(min(req.num_tokens, self._chunk_limit(req), cfg.max_num_batched_tokens))
-        while len(self.running) >= cfg.max_num_seqs or self.bm.num_free_blocks < first_chunk:
+        while pressure or len(self.running) >= cfg.max_num_seqs or self.bm.num_free_blocks < first_chunk:
             client, most = seats.most_common(1)[0]
             if most < seats[req.client] + 2:
                 return
             victim = next(r for r in reversed(self.running) if r.client == client)
             self._preempt(victim, fair=True)
             seats[client] -= 1
+            self.granted = req
+            if pressure:
+                return
+
+    def _held(self) -> Request | None:
+        """`granted`, while it waits (admitted, it is let go; finished, forgotten)."""
+        if self.granted is not None and self.granted.status is not Status.WAITING:
+            self.granted = None
+        return self.granted
 
     def _next_turn(self, seats: Counter[Hashable]) -> Request | None:
         """The waiting request `_admission_order` puts first, of those that may be admitted now: the first waiting
@@ -362,16 +378,14 @@ class Scheduler:
         if req.wants_prompt_logprobs:
             self.prompt_rows -= n
 
-    def _may_admit(self, req: Request, seats: Counter[Hashable] | None) -> bool:
+    def _may_admit(self, req: Request) -> bool:
         """The pressure mode's gate for the head of `waiting`. `normal`: its next chunk fits (the caller checks).
         `hold`: all of its tokens fit beside a block of growth for each running request, so its prompt is not
         started only to be preempted a few steps later (preempted requests wait at the front: they come back
         first). `static`: nothing. An empty running set always admits, so nothing waits forever; nor does a client
-        with nothing running behind another that holds two or more seats (`seats`: running requests per client, None
-        with one client); clients of a request each still wait out the pressure together."""
+        behind another's requests: the request `_rebalance` took a seat for is admitted in any mode."""
         mode = self.pressure.mode
-        if mode == "normal" or not self.running or (seats is not None and not seats[req.client]
-                                                    and max(seats.values(), default=0) >= 2):
+        if mode == "normal" or not self.running or req is self.granted:
             return True
         if mode == "static":
             return False

@@ -62,7 +62,8 @@ class EngineBridge:
                  metrics: Any = None, step_timeout: float = 0.0, rebuildable: bool = True,
                  engine_process: bool = False) -> None:
         """`max_queued`: requests that may wait for the engine; `max_queued_per_client` of them one client's (None:
-        half, so one client never fills the queue for everyone else). `step_timeout`: seconds a step may run before its engine is declared stuck and replaced (0: never).
+        half, so one client never fills the queue for everyone else). `step_timeout`: seconds a step may run before
+        its engine is declared stuck and replaced (0: never).
         `rebuildable`: False for a tensor-parallel engine, whose ranks share its fate: a loss then gives up.
         `engine_process`: the engine runs in a process of its own (service/engine_process.py; `engine_factory` must
         pickle), not on a thread of this one."""
@@ -70,7 +71,7 @@ class EngineBridge:
         self._rebuildable = rebuildable
         self._pinned = list(pinned_system_prompts)
         self._max_queued = max_queued
-        self._max_queued_per_client = max_queued_per_client or max(1, max_queued // 2)
+        self.max_queued_per_client = max_queued_per_client or max(1, max_queued // 2)
         self._metrics = metrics
         self._step_timeout = step_timeout
         self._host = EngineProcess if engine_process else EngineThread
@@ -148,7 +149,7 @@ class EngineBridge:
                                          extra=[x for x in (req.tools, req.documents, req.template_kwargs) if x])
         except PromptTooLongError as e:
             raise RequestError("prompt_too_long", str(e)) from None
-        share = self._max_queued_per_client
+        share = self.max_queued_per_client
         if len(params) > share:
             raise RequestError("invalid_message", f"{len(params)} choices are more than the server queues for one "
                                                   f"client ({share}, --max-queued-requests-per-client)", "n")

@@ -345,6 +345,9 @@ async def _generate(request: Request, svc: Service, reqs: list[GenerateRequest],
     computed once: the scheduler holds a prompt back while another computes the blocks it would take from the prefix
     cache (docs/architecture.md §4)."""
     n = body.n or 1
+    if len(reqs) > 1 and len(reqs) * n > (share := svc.bridge.max_queued_per_client):  # (never queued: not a 429)
+        raise HTTPError(400, f"{len(reqs)} prompts x n={n} are more choices than the server queues for one client "
+                             f"({share}, --max-queued-requests-per-client); split the batch", param="prompt")
     event = asyncio.Event()  # set by every choice's output
     handles: list[RequestHandle] = []
     streaming = False

@@ -39,7 +39,7 @@ class Connection:
     def __init__(self, ws: WebSocket, svc: Service) -> None:
         self.ws = ws
         self.svc = svc
-        self.session = Session(svc, self._wake_writer, ws.client.host if ws.client else None)
+        self.session = Session(svc, self._wake_writer, ws.client.host if ws.client else "-")  # (as HTTP's _peer)
         self._wake = asyncio.Event()
         self._space = asyncio.Event()  # clear while the session is backlogged
         self._space.set()

@@ -10,10 +10,10 @@ from tests.engine.test_scheduler import fake_step, make, run_until_done
 _n = iter(range(1, 10**9))
 
 
-def _req(client: str, prompt_len: int = 6, max_tokens: int = 200) -> Request:
+def _req(client: str, prompt_len: int = 6, max_tokens: int = 200, **params) -> Request:
     base = next(_n) * 100_000  # distinct prompts: nothing shared from the prefix cache
-    return Request(f"{client}{base}", [base + i for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens),
-                   max_tokens, client)
+    return Request(f"{client}{base}", [base + i for i in range(prompt_len)],
+                   SamplingParams(max_tokens=max_tokens, **params), max_tokens, client)
 
 
 def test_a_client_that_fills_every_seat_gives_one_to_another_at_the_next_step():
@@ -97,13 +97,37 @@ def test_a_client_whose_requests_hold_the_kv_blocks_gives_another_room_for_its_f
     assert all(r.finish_reason == "length" for r in [*hog, b])
 
 
+def test_the_seat_taken_is_held_for_its_request():
+    """b's request wants its prompt's logprobs, and a's long prompt takes every row of them a step has for many
+    steps: b is passed over (it waits, keeping its place) while the seat taken for it stays its own, not a's
+    again to be taken back at the next step, one preemption a step; b runs once rows are free."""
+    sched = make(max_num_seqs=3, max_num_batched_tokens=64, long_prefill_token_threshold=32)
+    sched.prompt_logprob_rows = 32
+    long = _req("a", prompt_len=400, prompt_logprobs=1)
+    hog = [long, _req("a"), _req("a")]
+    for r in hog:
+        sched.add(r)
+    fake_step(sched, 1024)
+    assert list(sched.running) == hog
+    b = _req("b", prompt_len=20, prompt_logprobs=1)
+    sched.add(b)
+    rec = fake_step(sched, 1024)
+    assert b not in rec.reqs and hog[2].status is Status.WAITING and len(sched.running) == 2
+    for _ in range(5):
+        assert b not in fake_step(sched, 1024).reqs and len(sched.running) == 2
+    while b.status is Status.WAITING:
+        fake_step(sched, 1024)
+    assert sched.num_fair_preemptions == 1
+    run_until_done(sched, 1024)
+
+
 @pytest.mark.parametrize("mode", ["hold", "static"])
-def test_under_kv_pressure_only_a_client_with_nothing_running_takes_a_seat(mode):
-    """The pressure ladder still governs admission; a client with nothing running behind one holding two or more
-    seats is let in (as an empty running set is: nothing waits forever), one with a request running waits its turn,
-    and clients of one request each wait the pressure out together (`static` still admits nothing while they run)."""
-    sched = make(max_num_seqs=4)
-    hog = [_req("a") for _ in range(4)]
+def test_under_kv_pressure_a_client_with_nothing_running_swaps_for_one_seat(mode):
+    """The pressure ladder still governs admission: b, with nothing running beside a's two, is let in past the mode
+    for one of a's (a swap: the running set stays the size it was), its second request waits its turn; and clients
+    of one request each wait the pressure out together (`static` still admits nothing while they run)."""
+    sched = make(max_num_seqs=2)
+    hog = [_req("a") for _ in range(2)]
     for r in hog:
         sched.add(r)
     fake_step(sched, 1024)
@@ -113,10 +137,21 @@ def test_under_kv_pressure_only_a_client_with_nothing_running_takes_a_seat(mode)
     sched.add(b2)
     rec = fake_step(sched, 1024)
     assert b1 in rec.reqs and b2 not in rec.reqs and sched.num_fair_preemptions == 1
+    assert list(sched.running) == [hog[0], b1]
+
+    sched = make(max_num_seqs=8)
+    for r in [_req("a"), _req("a")]:
+        sched.add(r)
+    fake_step(sched, 1024)
+    sched.pressure.mode = "static"
+    others = [_req(c) for c in "cde"]
+    for r in others:
+        sched.add(r)
+    rec = fake_step(sched, 1024)
+    assert [r for r in others if r in rec.reqs] == others[:1] and len(sched.running) == 2
 
     sched = make(max_num_seqs=4)
-    ones = [_req(c) for c in "abc"]
-    for r in ones:
+    for r in [_req(c) for c in "abc"]:
         sched.add(r)
     fake_step(sched, 1024)
     sched.pressure.mode = "static"

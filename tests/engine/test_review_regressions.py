@@ -161,10 +161,10 @@ def test_a_rebuilt_engine_does_not_adopt_blocks_never_loaded_from_the_host_tier(
     eng.add_request("C", list(range(600, 610)), greedy)
     may_admit = eng.scheduler._may_admit
 
-    def fails_for_c(req, seats):
+    def fails_for_c(req):
         if req.request_id == "C":
             raise RuntimeError("a scheduler failure (outside the model)")
-        return may_admit(req, seats)
+        return may_admit(req)
 
     eng.scheduler._may_admit = fails_for_c
     with pytest.raises(RuntimeError, match="scheduler failure"):

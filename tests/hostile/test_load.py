@@ -212,7 +212,7 @@ async def test_a_client_that_fills_every_seat_leaves_one_for_another(tiny_model_
     take every seat and queue the rest, its half of the queue (a thirteenth, from another connection of the same
     address, the same client, is refused as overloaded). A chat from another address is admitted, takes a seat
     from it at the next step and is done while every one of the twelve still runs or waits; /metrics counts the
-    seat taken. Before, the other chat waited for one of the twelve to end (~4,000 tokens)."""
+    seat taken. A batch of more choices than a client's share is a 400, not a 429 to retry for ever. Before, the other chat waited for one of the twelve to end (~4,000 tokens)."""
     server = start_server(tmp_path, f"--max-model-len={MAX_MODEL_LEN}", "--max-num-seqs=4",
                           "--max-queued-requests=16")
     try:
@@ -239,6 +239,10 @@ async def test_a_client_that_fills_every_seat_leaves_one_for_another(tiny_model_
             after = finished_requests(server)
             ended = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
             assert ended == {"length": 1}, f"requests ended before the other client's: {ended} (its own is one)"
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={  # (more than the client's share: never)
+            "model": model, "prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "--max-queued-requests-per-client" in r.json()["error"]["message"], r.text
         fair = sum(s.value for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
                    for s in f.samples if s.name == "sluice_fair_preemptions_total")
         assert fair >= 1
