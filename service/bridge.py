@@ -81,8 +81,8 @@ class EngineBridge:
         self._ids = itertools.count()
         self._handles: dict[str, RequestHandle] = {}
         self._sent: dict[str, _Sent] = {}  # request_id -> what the engine thread was given, in order
-        self._queued: dict[str, Hashable] = {}  # handles submitted but not started (the admission queue): client
-        self._queued_by: Counter[Hashable] = Counter()  # the admission queue's requests per client
+        self._queued: dict[str, str | None] = {}  # handles submitted but not started (the admission queue): client
+        self._queued_by: Counter[str | None] = Counter()  # the admission queue's requests per client
         self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready
         self._tokenizer = FairExecutor("sluice-tokenizer", initializer=_yield_to_the_engine)  # clients in turn
         # request_id -> its prompt's ids and bad_words' (`_prepare`), to come, and the ids of the choices that share
@@ -166,7 +166,6 @@ class EngineBridge:
         for h in handles:
             self._handles[h.request_id] = h
             self._tokenizing[h.request_id] = (future, group)
-        for h in handles:
             self._queued[h.request_id] = req.client
         self._queued_by[req.client] += len(handles)
         future.add_done_callback(lambda f: [self._tokenized(h, req, p, f) for h, p in zip(handles, params)])
