@@ -330,7 +330,8 @@ class Scheduler:
                 not pressure and len(self.running) < cfg.max_num_seqs
                 and self.bm.num_free_blocks >= self.bm.blocks_needed(cfg.max_num_batched_tokens)):
             return  # (one client; a seat already held; or room for any request's first chunk)
-        seats = Counter(r.client for r in self.running)
+        seats = self._seats()
+        assert seats is not None
         req = self._next_turn(seats)
         if req is None or not seats or (pressure and seats[req.client]):
             return
