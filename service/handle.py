@@ -10,11 +10,14 @@ import time
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine import PromptLogprob, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer, TokenText
 from service.protocol import ErrorCode
+
+if TYPE_CHECKING:
+    from starlette.requests import HTTPConnection
 
 # (token id, its name, its bytes, logprob, ((top token's id, name, bytes, logprob), ...)) per generated token
 # (engine/detokenizer.py TokenText: a token's own bytes may split a character; its name writes such bytes `\xNN`).
@@ -97,6 +100,13 @@ def sampling_params(defaults: Mapping[str, Any], **kwargs: Any) -> SamplingParam
         return SamplingParams(**merged)
     except (ValueError, TypeError) as e:
         raise RequestError("invalid_message", f"invalid sampling parameters: {e}", getattr(e, "param", None)) from None
+
+
+def client_of(conn: HTTPConnection) -> str:
+    """Who asks, as `GenerateRequest.client` knows it: an HTTP request's or a WebSocket's peer address (uvicorn's:
+    a trusted proxy's X-Forwarded-For), "-" where there is none. The tokenizer's turns, the admission queue's shares,
+    the engine's seats and the HTTP body budgets all go by it."""
+    return conn.client.host if conn.client else "-"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine import SamplingParams
 from service.openai_errors import HTTPError, error_response
-from service.handle import GenerateRequest, RequestError, RequestHandle, sampling_params
+from service.handle import GenerateRequest, RequestError, RequestHandle, client_of, sampling_params
 from service.openai_schema import (
     ChatCompletionRequest, CommonRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest,
     _StreamOptions, chat_messages, completion_prompts, decode_body, refuse_unsupported, template_kwargs,
@@ -85,13 +85,8 @@ async def _read_body(request: Request, struct: type[Struct], limit: int) -> Any:
     try:
         return decode_body(data, struct)
     finally:  # a peer whose bodies keep the loop busy waits for its answers (service/budget.py)
-        if (wait := request.app.state.service.http_budgets.charge(_peer(request), time.perf_counter() - started)) > 0:
+        if (wait := request.app.state.service.http_budgets.charge(client_of(request), time.perf_counter() - started)) > 0:
             await asyncio.sleep(wait)
-
-
-def _peer(request: Request) -> str:
-    """An HTTP client as the tokenizer's turns and the body budgets know it: its address."""
-    return request.client.host if request.client else "-"
 
 
 _STARTING = "the server is starting or shutting down; retry shortly"
@@ -125,7 +120,7 @@ async def chat_completions(request: Request) -> Response:
     svc: Service = request.app.state.service
     try:
         body = await _read_body(request, ChatCompletionRequest, svc.config.max_message_bytes)
-        req, render = chat_request(svc, body, _peer(request))
+        req, render = chat_request(svc, body, client_of(request))
         return await _generate(request, svc, [req], render, body)
     except RequestError as e:
         return _error(_from_request_error(e))
@@ -208,7 +203,7 @@ async def completions(request: Request) -> Response:
                                  logprobs=body.logprobs, **kwargs)
         # an echo without logprobs of token ids, or of the tokens a truncation kept: their text, from the ids
         echo_ids = bool(body.echo) and "prompt_logprobs" not in kwargs
-        reqs = [GenerateRequest(prompt=prompt, chat=False, params=params, api="completions", client=_peer(request),
+        reqs = [GenerateRequest(prompt=prompt, chat=False, params=params, api="completions", client=client_of(request),
                                 add_special_tokens=body.add_special_tokens, truncate_prompt_tokens=_truncation(svc, body),
                                 fit_max_tokens=body.max_tokens is None,  # the default 16 fits; one asked for must
                                 echo_ids=echo_ids and (not isinstance(prompt, str) or body.truncate_prompt_tokens
@@ -252,7 +247,7 @@ async def tokenize(request: Request) -> Response:
         if body.messages is not None:
             continue_final = bool(body.continue_final_message)
             req = GenerateRequest(prompt=chat_messages(body), chat=True, params=SamplingParams(), api="tokenize",
-                                  client=_peer(request), add_special_tokens=body.add_special_tokens,
+                                  client=client_of(request), add_special_tokens=body.add_special_tokens,
                                   add_generation_prompt=(body.add_generation_prompt if body.add_generation_prompt
                                                          is not None else not continue_final),
                                   continue_final_message=continue_final,
@@ -260,7 +255,7 @@ async def tokenize(request: Request) -> Response:
                                   documents=body.documents, template_kwargs=template_kwargs(body))
         else:
             req = GenerateRequest(prompt=body.prompt, chat=False, params=SamplingParams(), api="tokenize",
-                                  client=_peer(request), add_special_tokens=body.add_special_tokens)
+                                  client=client_of(request), add_special_tokens=body.add_special_tokens)
         ids = await svc.bridge.tokenize(req)
         strs = await svc.bridge.token_strs(req.client, ids) if body.return_token_strs else None
         return Response(msgspec.json.encode({"count": len(ids), "max_model_len": svc.bridge.max_model_len,
@@ -277,7 +272,7 @@ async def detokenize(request: Request) -> Response:
     try:
         body = await _read_body(request, DetokenizeRequest, svc.config.max_message_bytes)
         _check_tokenizer(svc, body.model)
-        text = await svc.bridge.detokenize(_peer(request), body.tokens)
+        text = await svc.bridge.detokenize(client_of(request), body.tokens)
         return Response(msgspec.json.encode({"prompt": text}), media_type="application/json")
     except RequestError as e:
         return _error(_from_request_error(e, "tokens"))

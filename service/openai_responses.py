@@ -21,8 +21,8 @@ from starlette.responses import Response
 
 from engine import SamplingParams
 from service import json_guard
-from service.handle import RequestError, RequestHandle, TokenLogprobs
-from service.openai_api import _error, _from_request_error, _generate, _peer, _read_body, chat_request
+from service.handle import RequestError, RequestHandle, TokenLogprobs, client_of
+from service.openai_api import _error, _from_request_error, _generate, _read_body, chat_request
 from service.openai_errors import HTTPError, error_response
 from service.openai_render import ChatRender, Render
 from service.response_store import TooLong
@@ -440,7 +440,7 @@ async def create_response(request: Request) -> Response:
                 raise HTTPError(400, message, param="previous_response_id", code="previous_response_not_found")
             history = found
         chat, turn = as_chat(body, history, svc.config.reasoning_parser is not None)
-        client = _peer(request)
+        client = client_of(request)
         req, chat_render = chat_request(svc, chat, client, api="responses")
         store, loop = body.store is not False, asyncio.get_running_loop()
 

@@ -22,6 +22,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from service.auth import bearer_token, key_matches, origin_allowed
 from service.budget import LoopBudget
+from service.handle import client_of
 from service.openai_errors import RETRY_AFTER_S
 from service.protocol import ErrorCode, Error, Hello, ServerMessage, decode_client, encode, encode_utf8
 from service.transport import LOOP_BUDGET, SEND_TEXT_NOW
@@ -39,7 +40,7 @@ class Connection:
     def __init__(self, ws: WebSocket, svc: Service) -> None:
         self.ws = ws
         self.svc = svc
-        self.session = Session(svc, self._wake_writer, ws.client.host if ws.client else "-")  # (as HTTP's _peer)
+        self.session = Session(svc, self._wake_writer, client_of(ws))
         self._wake = asyncio.Event()
         self._space = asyncio.Event()  # clear while the session is backlogged
         self._space.set()
