@@ -341,7 +341,7 @@ class LLMEngine:
         if self.runner.sampler.grammars is None:
             self.runner.sampler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         grammars = self.runner.sampler.grammars
-        req.grammar = grammars.compile(so)
+        req.grammar = grammars.compile(so, req.client)
         try:
             grammars.start(req, req.grammar.result(timeout=SYNC_COMPILE_S))
         except TimeoutError:

@@ -25,16 +25,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
+
+from engine.fair_executor import FairExecutor
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -92,46 +94,25 @@ class Compiled(NamedTuple):
     first_mask_s: float
 
 
-class _Worker:
-    """A daemon thread running jobs in order (xgrammar lets go of the GIL meanwhile); a job whose future was
-    cancelled while it waited is skipped. A daemon: a compile that never ends must not hold the process at exit. One
-    per kind of job for the process, shared by its engines (a rebuilt engine's too). `nice`: its priority (Linux)."""
+_workers: dict[str, FairExecutor] = {}  # one per kind of job for the process, shared by its engines (a rebuilt one's)
+_workers_lock = threading.Lock()
 
-    _started: dict[str, _Worker] = {}
-    _lock = threading.Lock()
 
-    @classmethod
-    def named(cls, name: str, nice: int = 0) -> _Worker:
-        with cls._lock:
-            if name not in cls._started:
-                cls._started[name] = cls(name, nice)
-            return cls._started[name]
+def _worker(name: str, nice: int = 0) -> FairExecutor:
+    """The process's daemon thread `name` (a compile that never ends must not hold the process at exit), running jobs
+    with their clients in turn (xgrammar lets go of the GIL meanwhile); `nice`: its priority (Linux)."""
 
-    def __init__(self, name: str, nice: int) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._nice = nice
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[[], Any], future: Future | None = None) -> Future:
-        future = Future() if future is None else future
-        self._jobs.put((fn, future))
-        return future
-
-    def _loop(self) -> None:
-        if self._nice and sys.platform == "linux":  # (where a thread has a priority of its own)
+    def lower() -> None:
+        if nice and sys.platform == "linux":  # (where a thread has a priority of its own)
             try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
             except OSError:
                 pass
-        while True:
-            fn, future = self._jobs.get()
-            future.started = time.monotonic()  # (a compile's timeout counts from here, not from its time queued)
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except Exception as e:
-                    future.set_exception(e)
-            del fn, future  # (waiting, it holds nothing of the last job)
+
+    with _workers_lock:
+        if name not in _workers:
+            _workers[name] = FairExecutor(name, lower)
+        return _workers[name]
 
 
 class Grammars:
@@ -162,16 +143,17 @@ class Grammars:
         self._waiting: dict[Future, int] = {}  # compiles not done yet: how many requests wait for each (engine thread)
         # NOTE: compiles at the usual priority: a request waits COMPILE_TIMEOUT_S of wall time for its own (at the
         # lowest, beside a forward that keeps the cores busy, a 0.5 s compile took over 30 s and was refused)
-        self._compiles = _Worker.named("sluice-grammar")
+        self._compiles = _worker("sluice-grammar")
         # a slow grammar's masks at the lowest priority: on a host whose cores the forward keeps busy (a CPU's), the
         # mask thread took a core from it, and with it every request's step (a free stream beside a slow regex on two
         # cores: 28 ms a token instead of 13, 0.2 s at worst); at the lowest it takes what the steps leave, so on a
         # saturated host such a request crawls (its own cost, deferred), and on a GPU's it runs on an idle core.
         # Never behind a compile, which can take minutes.
-        self._masks = _Worker.named("sluice-grammar-mask", MASK_NICE)
+        self._masks = _worker("sluice-grammar-mask", MASK_NICE)
 
-    def compile(self, so: StructuredOutput) -> Future:
-        """The compiled grammar of `so` (`Compiled`), to come (on the compile thread) or kept from an earlier request;
+    def compile(self, so: StructuredOutput, client: Hashable = None) -> Future:
+        """The compiled grammar of `so` (`Compiled`), to come (on the compile thread, in `client`'s turn: one client's
+        dozen slow schemas hold another's next compile behind one of them, not all) or kept from an earlier request;
         the future raises ValueError if its schema, expression or choices cannot be compiled, or if the grammar
         allows no token at its start (it matches nothing: the sampler would have nothing to draw)."""
         key = (so.kind, so.spec, so.after, so.opens)
@@ -180,12 +162,12 @@ class Grammars:
             if not done.done():  # (one no request waited for any more, running on: waited for again)
                 self._waiting[done] = self._waiting.get(done, 0) + 1
             return done
-        future: Future = Future()
+        future = self._compiles.submit(client, lambda: self._first_mask(*self._compile(so)))
         self._compiled[key] = future
         while len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
         self._waiting[future] = 1
-        return self._compiles.submit(lambda: self._first_mask(*self._compile(so)), future)
+        return future
 
     def release(self, future: Future) -> None:
         """A request no longer waits for `future`, from `compile` (it has its grammar, ended, or gave up). A compile
@@ -232,7 +214,7 @@ class Grammars:
                 _timed(req, _fill(matcher, mask))
                 return mask
 
-            req.mask = self._masks.submit(fill)
+            req.mask = self._masks.submit(req.client, fill)
 
     def _compile(self, so: StructuredOutput) -> tuple[Any, str]:
         """The compiled grammar, and the free text that leads to its own start ("" if none)."""

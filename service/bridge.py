@@ -31,7 +31,7 @@ from service.engine_process import EngineProcess
 from service.engine_thread import (
     Abort, Add, EngineHost, EngineReady, EngineThread, StepResult, Stop, freeze_startup_heap,
 )
-from service.fair_executor import FairExecutor
+from engine.fair_executor import FairExecutor
 from service.handle import GenerateRequest, PromptScores, RequestError, RequestHandle, TokenRate
 
 log = logging.getLogger("sluice.bridge")
@@ -188,7 +188,7 @@ class EngineBridge:
         return ids[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else ids
 
     async def off_loop(self, client: Hashable, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the tokenizer thread, in `client`'s turn (service/fair_executor.py): work too long for the
+        """`fn(*args)` on the tokenizer thread, in `client`'s turn (engine/fair_executor.py): work too long for the
         loop, where it would hold every stream (a response with a long prompt's logprobs to name and render), delays
         that client's own prompts instead."""
         try:
@@ -265,7 +265,7 @@ class EngineBridge:
 
     def _tokenized(self, handle: RequestHandle, req: GenerateRequest, params: SamplingParams,
                    future: asyncio.Future[_Prepared]) -> None:
-        """On the loop, each client's in submission order (service/fair_executor.py): hand the ids to the engine, or
+        """On the loop, each client's in submission order (engine/fair_executor.py): hand the ids to the engine, or
         finish the request here."""
         del self._tokenizing[handle.request_id]
         aborted = handle.request_id in self._aborted_early

@@ -216,6 +216,29 @@ def test_a_compile_given_up_while_it_runs_is_waited_for_again(tiny_model_dir, mo
     assert not eng.runner.sampler.grammars._waiting
 
 
+def test_clients_take_turns_at_the_compile_thread(tiny_model_dir, monkeypatch):
+    """One client's queued compiles (a hostile one's dozen distinct schemas, each up to COMPILE_TIMEOUT_S) hold another
+    client's next compile behind one of them, not all: the clients with compiles queued take turns, each in its own
+    order (in arrival order, b's waited for all of a's)."""
+    eng = _engine(tiny_model_dir)
+    release, seen = _held_compiles(eng, monkeypatch)
+    digits = [StructuredOutput("regex", f"[0-9]{{{i}}}") for i in range(1, 5)]
+    eng.add_request("a0", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, structured_output=digits[0]),
+                    client="a")
+    _wait_for(lambda: len(seen) == 1)  # (a0's compile runs, held: the rest queue)
+    for i in range(1, 4):
+        eng.add_request(f"a{i}", PROMPTS[i], SamplingParams(max_tokens=8, temperature=0.0,
+                                                            structured_output=digits[i]), client="a")
+    eng.add_request("b0", PROMPTS[4], SamplingParams(max_tokens=8, temperature=0.0,
+                                                     structured_output=StructuredOutput.choice(CHOICES)), client="b")
+    release.set()
+    got = {o.request_id: o for o in _run(eng)}
+    assert [so.spec for so in seen] == [digits[0].spec, digits[1].spec, json.dumps(CHOICES), digits[2].spec,
+                                        digits[3].spec]
+    assert all(o.finished and not o.error for o in got.values()) and len(got) == 5
+    eng.check_integrity()
+
+
 def _wait_for(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

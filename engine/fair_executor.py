@@ -1,20 +1,22 @@
 """`FairExecutor`: one worker thread that runs jobs taking their clients in turn (docs/architecture.md §1).
 
-The server's prompts are templated and tokenized on one thread. In arrival order, a client with many costly prompts
-queued (16 in flight of ~260,000 characters each: ~0.25 s apiece) would hold every other client's next prompt behind
-all of its own. Here each client's jobs run in its own order, and the clients with jobs queued take turns: another
-client's prompt waits for at most one job of each client ahead of it.
+The server's prompts are templated and tokenized on one thread, and the engine's grammars compile on another
+(engine/structured.py). In arrival order, a client with many costly jobs queued (16 prompts in flight of ~260,000
+characters each: ~0.25 s apiece; or a dozen distinct JSON schemas, each up to `COMPILE_TIMEOUT_S`) would hold every
+other client's next job behind all of its own. Here each client's jobs run in its own order, and the clients with
+jobs queued take turns: another client's job waits for at most one job of each client ahead of it.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
-log = logging.getLogger("sluice.tokenizer")
+log = logging.getLogger("sluice.executor")
 
 _Job = tuple[Future, Callable[..., Any], tuple[Any, ...]]
 
@@ -28,7 +30,9 @@ class FairExecutor:
         self._closed = False
 
     def submit(self, client: Hashable, fn: Callable[..., Any], *args: Any) -> Future:
-        """`fn(*args)` on the worker thread, after `client`'s earlier jobs; a `concurrent.futures.Future` of it."""
+        """`fn(*args)` on the worker thread, after `client`'s earlier jobs; a `concurrent.futures.Future` of it, whose
+        `started` is the `time.monotonic()` its job began at once it has (a time limit may count from there, not from
+        its time queued)."""
         future: Future = Future()
         job = (future, fn, args)
         with self._cv:
@@ -81,9 +85,10 @@ class FairExecutor:
                 log.exception("%s: its initializer failed", self.name)
         while (job := self._next()) is not None:
             future, fn, args = job
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled while queued
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # the caller's to see
-                future.set_exception(e)
+            future.started = time.monotonic()  # type: ignore[attr-defined]
+            if future.set_running_or_notify_cancel():  # (else cancelled while queued)
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the caller's to see
+                    future.set_exception(e)
+            del job, future, fn, args  # (waiting, it holds nothing of the last job: a whole prompt, a grammar)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from service.fair_executor import FairExecutor
+from engine.fair_executor import FairExecutor
 
 
 def test_clients_take_turns_and_each_keeps_its_order() -> None:
