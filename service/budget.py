@@ -6,17 +6,21 @@ can send a million a second), and each message to decode and check (a 1 MB frame
 GIL, stall the engine thread and every other stream. A WebSocket's reads (service/transport.py) and its
 reader's decoding (service/ws.py) charge their time to one budget and, once the connection has spent its
 burst, read no more for a while; TCP then holds the client back.
-Ordinary chat frames cost microseconds and never wait. HTTP request bodies are charged per peer address
-(`PeerBudgets`): the response to a costly one waits instead.
+Ordinary chat frames cost microseconds and never wait. HTTP is charged per peer address (`PeerBudgets`): its reads
+(service/transport.py) and each request's handling until the engine has it (`Metered`: routing, the key check, the
+body's decoding, a quick answer such as `/metrics`), and a peer that has spent its budget is read no more, nor its
+next pipelined request begun, until it has refilled.
 """
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any
 
 SHARE = 0.1  # of the loop's time, per connection, sustained
 BURST_S = 0.01  # loop seconds a connection may spend at once before it is slowed
+METER = "sluice.meter"  # the ASGI scope key of an HTTP request's `Metered` (service/transport.py)
 
 
 class LoopBudget:
@@ -49,3 +53,51 @@ class PeerBudgets:
         if len(self._by_peer) > self.size:
             self._by_peer.popitem(last=False)
         return budget.charge(seconds)
+
+
+class Metered:
+    """An HTTP request's app call, awaited step by step: the loop time of each step (from a resumption to the next
+    suspension) is charged with `charge` until `stop()`. Without it, requests that make no work for the engine --
+    `GET /metrics`, `/health`, a 401 or a 404, pipelined on one connection or each on a new one -- ran the server's
+    loop flat out, uncounted. Once the engine has a request (`stop`, by the handler that submits it), what it costs
+    the loop follows its tokens, which the scheduler shares between clients, and is not charged."""
+
+    __slots__ = ("_coro", "_charge", "_step")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], charge: Callable[[float], object]) -> None:
+        self._coro, self._charge = coro, charge
+        self._step = 0.0  # when the running step began
+
+    def stop(self) -> None:
+        """Charges the running step so far (what led up to the engine's taking the request), and nothing after."""
+        if self._charge is not None:
+            self._charge(time.perf_counter() - self._step)
+            self._charge = None
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        steps = self._coro.__await__()
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            self._step = time.perf_counter()
+            try:
+                future = steps.send(value) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value
+            finally:
+                if self._charge is not None:
+                    self._charge(time.perf_counter() - self._step)
+            value, error = None, None
+            try:
+                value = yield future
+            except GeneratorExit:
+                steps.close()
+                raise
+            except BaseException as e:  # (a cancellation, thrown in by the task: its to handle)
+                error = e
+
+
+def stop_metering(scope: dict[str, Any]) -> None:
+    """The engine has the request of `scope`: its loop time is no longer charged to its peer (`Metered`)."""
+    if (meter := scope.get(METER)) is not None:
+        meter.stop()

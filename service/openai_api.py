@@ -7,7 +7,6 @@ for the JSON. Parameters that would change the output and are not implemented ar
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from engine import SamplingParams
+from service.budget import stop_metering
 from service.openai_errors import HTTPError, error_response
 from service.handle import GenerateRequest, RequestError, RequestHandle, client_of, sampling_params
 from service.openai_schema import (
@@ -80,13 +80,7 @@ async def _read_body(request: Request, struct: type[Struct], limit: int) -> Any:
             chunks.append(chunk)
     except ClientDisconnect:  # gone mid-body (or closed by --timeout-body): the transport logs it, nobody reads this
         raise HTTPError(499, "the client disconnected before sending the whole body") from None
-    data = b"".join(chunks)
-    started = time.perf_counter()
-    try:
-        return decode_body(data, struct)
-    finally:  # a peer whose bodies keep the loop busy waits for its answers (service/budget.py)
-        if (wait := request.app.state.service.http_budgets.charge(client_of(request), time.perf_counter() - started)) > 0:
-            await asyncio.sleep(wait)
+    return decode_body(b"".join(chunks), struct)  # (its loop time charged to the peer: service/budget.py)
 
 
 _STARTING = "the server is starting or shutting down; retry shortly"
@@ -355,6 +349,7 @@ async def _generate(request: Request, svc: Service, reqs: list[GenerateRequest],
                 handles += choices
             except RequestError as e:
                 raise _from_request_error(e, _prompt_param(body)) from None
+        stop_metering(request.scope)  # (what it costs the loop from here follows its tokens: service/budget.py)
 
         def failed(hs: list[RequestHandle]) -> bool:  # (a failure ends the wait: the other choices go at once)
             return any(h.finished and _failure(h, body) is not None for h in hs)

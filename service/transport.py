@@ -5,7 +5,8 @@ may pause at most `--timeout-body`, a response whose client takes none of it at 
 most `--max-http-connections` are open (a WebSocket leaves the count at its upgrade). At the bound, the
 connection that has waited longest on its client (for a head, a body, or to read its response) is closed to
 make room; only when every one is running a request does a new one get 503. The loop time its reads take
-is charged to its peer's budget (service/budget.py), which the app charges its bodies' decoding to as well.
+is charged to its peer's budget (service/budget.py), as is the app's handling of each request until the engine
+has it (`Metered`); a peer that has spent it is read no more, nor is its next pipelined request begun, for a while.
 WebSocket (websockets-sansio): neither an upgrade refused with a denial response nor a text frame that is
 not UTF-8 is logged as an error, and each upgrade gets uvicorn's one log line, not websockets' own besides.
 The loop time spent on a socket's reads (parsing its frames, answering its pings) is charged to its
@@ -29,7 +30,7 @@ from uvicorn.protocols.utils import get_client_addr
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
 
-from service.budget import LoopBudget, PeerBudgets
+from service.budget import METER, LoopBudget, Metered, PeerBudgets
 from service.openai_api import error_response
 
 log = logging.getLogger("sluice.transport")
@@ -53,8 +54,7 @@ class HttpGuard:
         self.timeout_body = timeout_body
         self.timeout_send = timeout_send
         self.max_connections = max_connections
-        # loop time per peer address: reads here, bodies' decoding in the app (the service's, shared)
-        self.budgets = budgets if budgets is not None else PeerBudgets()
+        self.budgets = budgets if budgets is not None else PeerBudgets()  # loop time per peer: reads, handling
         self._waiting: dict[GuardedH11Protocol, None] = {}  # on their client, longest-waiting first
         self._busy: set[GuardedH11Protocol] = set()
 
@@ -118,9 +118,9 @@ class _ChargedReads:
 
     A read is up to 256 KiB; of 1-byte body chunks or empty WebSocket pings that is ~40,000 events, ~0.3 s of
     the loop in one go, and a client that keeps sending them ran the loop flat out without making one request or
-    message for the app to charge. Here the protocol gets `READ_SLICE` bytes at a time; once the budget is spent,
-    the rest of the read waits and the socket is not read until the budget has refilled (TCP then holds the
-    client back). Ordinary reads are one slice, parsed at once.
+    message for the app to charge. Here the protocol gets `READ_SLICE` bytes at a time, and none while the budget
+    is spent: the rest of the read waits and the socket is not read until the budget has refilled (TCP then holds
+    the client back). Ordinary reads are one slice, parsed at once.
     """
 
     transport: asyncio.Transport
@@ -152,11 +152,12 @@ class _ChargedReads:
 
     def _feed(self) -> None:
         while self._backlog and self._budget_wait is None and self._may_parse() and not self._gone():
+            if self._spent():  # (by this connection, or by its peer's others: a new one too waits its turn)
+                break
             piece, self._backlog = self._backlog[:READ_SLICE], self._backlog[READ_SLICE:]
             started = time.perf_counter()
             self._parse(piece)
-            if (wait := self._charge(time.perf_counter() - started)) > 0 and not self._gone():
-                self._budget_wait = self.loop.call_later(wait, self._refilled)
+            self._charge(time.perf_counter() - started)
         if self._gone():
             self._stop_reads()
             return
@@ -167,6 +168,13 @@ class _ChargedReads:
             self._holding = False
             if not self._uvicorn_paused():
                 self.transport.resume_reading()
+
+    def _spent(self) -> bool:
+        """Whether the budget is spent; if so, `_refilled` is called once it has refilled."""
+        if (wait := self._charge(0.0)) <= 0:
+            return False
+        self._budget_wait = self.loop.call_later(wait, self._refilled)
+        return True
 
     def _refilled(self) -> None:
         self._budget_wait = None
@@ -204,6 +212,13 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
 
         self.conn.next_event = bounded_next_event  # type: ignore[method-assign]
         self._done = False  # upgraded, refused or closed by the guard: nothing more to follow
+        app = self.app
+
+        def metered(scope: Any, receive: Any, send: Any) -> Metered:  # (its time charged to the peer's budget)
+            scope[METER] = call = Metered(app(scope, receive, send), self._charge)
+            return call
+
+        self.app = metered
 
     @property
     def _peer(self) -> str:
@@ -257,7 +272,18 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
 
     def _refilled(self) -> None:
         super()._refilled()
+        if self._budget_wait is None and not self._gone() and self.conn.our_state is self.conn.their_state is h11.IDLE:
+            self.handle_events()  # (a pipelined request waiting in h11's buffer)
         self._follow()  # (what the held bytes were: a head, a body's end)
+
+    def handle_events(self) -> None:
+        """uvicorn's, which also begins the next pipelined request once a response is complete (from h11's buffer,
+        read earlier): while the peer's budget is spent, that request waits as held reads do."""
+        if self._budget_wait is not None or (not self._gone() and self._spent()):
+            self._holding = True
+            self.transport.pause_reading()
+            return
+        super().handle_events()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

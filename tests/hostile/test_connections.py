@@ -655,6 +655,62 @@ async def test_a_body_of_tiny_chunks_gets_the_loop_share_of_its_peer(flood_targe
     assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on one chunked body"
 
 
+async def test_cheap_pipelined_requests_get_the_loop_share_of_their_peer(flood_target: Server) -> None:
+    """`GET /metrics` (open without the key) pipelined as fast as TCP takes it, its answers read: each costs the loop
+    about a millisecond and makes no work for the engine, and the server's loop ran flat out on this one connection
+    (4.97 s of CPU in a 5 s flood). A request's handling is charged to its peer's loop budget now, and the next
+    pipelined request waits while that is spent."""
+    reader, writer = await _raw(flood_target)
+    answers = asyncio.create_task(_read_all(reader))
+    try:
+        cpu, elapsed = await _flood(flood_target, writer, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n" * 256)
+    finally:
+        answers.cancel()
+    assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on pipelined requests"
+
+
+async def test_a_connection_per_request_gets_the_loop_share_of_its_peer(flood_target: Server) -> None:
+    """The same cheap requests (`GET /health`), each on a connection of its own, eight at a time: no connection lives
+    long enough to wait for anything, and the loop ran flat out (4.97 s of CPU in 5 s, 24,000 requests). A new
+    connection of a peer that has spent its budget is not read until it has refilled."""
+    cpu, start = _cpu_seconds(flood_target.proc.pid), time.monotonic()
+
+    async def one_after_another() -> None:
+        while time.monotonic() - start < 5.0:
+            reader, writer = await _raw(flood_target, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            try:
+                with contextlib.suppress(TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+                    async with asyncio.timeout(start + 5.0 - time.monotonic()):
+                        await reader.readuntil(b"\r\n\r\n")
+            finally:
+                _reset(writer)
+
+    await asyncio.gather(*(one_after_another() for _ in range(8)))
+    cpu, elapsed = _cpu_seconds(flood_target.proc.pid) - cpu, time.monotonic() - start
+    assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on new connections"
+
+
+async def test_pipelined_requests_held_for_the_budget_are_all_answered_in_order(flood_target: Server) -> None:
+    """200 `GET /metrics` in one write (about 0.1 s of the loop's time, past the 10 ms burst: the later ones wait for
+    the budget, each after the last one's answer) and a last `GET /health`: every one is answered, in order."""
+    reader, writer = await _raw(flood_target, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n" * 200
+                                + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    try:
+        for i in range(201):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), MARGIN * 3)
+            assert head.startswith(b"HTTP/1.1 200 OK"), (i, head)
+            body = await reader.readexactly(int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE)[1]))
+            assert body.startswith(b'{"status"') == (i == 200), (i, body[:80])
+    finally:
+        writer.close()
+
+
+async def _read_all(reader: asyncio.StreamReader) -> None:
+    with contextlib.suppress(ConnectionError):
+        while await reader.read(1 << 16):
+            pass
+
+
 async def _get_health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, then: bytes = b"") -> bytes:
     """GET /health on a kept-alive connection (and `then` right behind it); its status line."""
     writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" + then)

@@ -2,6 +2,8 @@
 waits so that, sustained, it gets `share` of it."""
 from __future__ import annotations
 
+import pytest
+
 from service.budget import LoopBudget, PeerBudgets
 
 
@@ -40,3 +42,50 @@ def test_peers_are_charged_apart_and_the_table_is_bounded() -> None:
     assert peers.charge("other", 0.001) == 0.0  # another peer is not slowed by it
     peers.charge("third", 0.001)  # the table keeps two: "flood", least recently charged, is forgotten
     assert peers.charge("flood", 0.001) == 0.0 and len(peers._by_peer) == 2
+
+
+async def test_metered_charges_each_step_until_stopped_and_passes_everything_through() -> None:
+    """`Metered` charges each step of the call (not the time it is suspended) until `stop()`; the call's value, its
+    exceptions and a cancellation pass through as if it were awaited directly."""
+    import asyncio
+    import time
+
+    from service.budget import Metered
+
+    charged: list[float] = []
+    meter: Metered
+
+    async def call() -> str:
+        time.sleep(0.02)  # (a step: the loop is busy)
+        await asyncio.sleep(0.2)  # (suspended: not charged)
+        time.sleep(0.02)
+        meter.stop()  # (the engine has it: this step is charged up to here, the next not)
+        await asyncio.sleep(0)
+        time.sleep(0.02)
+        return "done"
+
+    meter = Metered(call(), charged.append)
+    assert await meter == "done"
+    assert len(charged) == 2 and all(0.02 <= s < 0.2 for s in charged), charged
+
+    async def fails() -> None:
+        await asyncio.sleep(0)
+        raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        await Metered(fails(), charged.append)
+
+    cleaned = asyncio.Event()
+
+    async def waits() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cleaned.set()
+
+    task = asyncio.ensure_future(Metered(waits(), charged.append))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned.is_set()
