@@ -104,8 +104,8 @@ def sampling_params(defaults: Mapping[str, Any], **kwargs: Any) -> SamplingParam
 
 def client_of(conn: HTTPConnection) -> str:
     """Who asks, as `GenerateRequest.client` knows it: an HTTP request's or a WebSocket's peer address (uvicorn's:
-    a trusted proxy's X-Forwarded-For), "-" where there is none. The tokenizer's turns, the admission queue's shares,
-    the engine's seats and the HTTP body budgets all go by it."""
+    a trusted proxy's X-Forwarded-For), "-" where there is none. The tokenizer's and grammar compiler's turns, the
+    admission queue's shares and the engine's seats go by it (the HTTP loop budget goes by the socket's own peer)."""
     return conn.client.host if conn.client else "-"
 
 
