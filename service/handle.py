@@ -5,6 +5,8 @@ whatever the consumer has not taken yet is merged, never queued per step.
 """
 from __future__ import annotations
 
+import functools
+import ipaddress
 import math
 import time
 from array import array
@@ -104,9 +106,29 @@ def sampling_params(defaults: Mapping[str, Any], **kwargs: Any) -> SamplingParam
 
 def client_of(conn: HTTPConnection) -> str:
     """Who asks, as `GenerateRequest.client` knows it: an HTTP request's or a WebSocket's peer address (uvicorn's:
-    a trusted proxy's X-Forwarded-For), "-" where there is none. The tokenizer's and grammar compiler's turns, the
-    admission queue's shares and the engine's seats go by it (the HTTP loop budget goes by the socket's own peer)."""
-    return conn.client.host if conn.client else "-"
+    a trusted proxy's X-Forwarded-For) as `client_key` groups it, "-" where there is none. The tokenizer's and grammar
+    compiler's turns, the admission queue's shares and the engine's seats go by it (the HTTP loop budget goes by the
+    socket's own peer, grouped the same way)."""
+    return client_key(conn.client.host) if conn.client else "-"
+
+
+@functools.lru_cache(maxsize=4096)
+def client_key(host: str) -> str:
+    """The client a peer address belongs to: an internet IPv6 address is its /64 ("2001:4860:1:2::/64"), the least
+    a site is given, so one host's 2^64 addresses (privacy addresses, or one per connection) are one client and not
+    that many shares of the queue, the seats and the loop; an IPv4 address as IPv6 (a dual-stack socket's
+    "::ffff:192.0.2.1") is the IPv4 address; any other address is itself (IPv4; loopback, link-local and private
+    IPv6, where hosts on one LAN share a /64), and anything not an address (a proxy's name, "-") is as given."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        if ip.is_global:
+            return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.exceptions import InvalidState
 
 from service.budget import METER, LoopBudget, Metered, PeerBudgets
+from service.handle import client_key
 from service.openai_api import error_response
 
 log = logging.getLogger("sluice.transport")
@@ -262,7 +263,7 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
         super().data_received(data)
 
     def _charge(self, seconds: float) -> float:
-        return self.guard.budgets.charge(self.client[0] if self.client else "-", seconds)
+        return self.guard.budgets.charge(client_key(self.client[0]) if self.client else "-", seconds)
 
     def _uvicorn_paused(self) -> bool:
         return self.flow.read_paused

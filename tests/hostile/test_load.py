@@ -248,3 +248,33 @@ async def test_a_client_that_fills_every_seat_leaves_one_for_another(tiny_model_
         assert fair >= 1
     finally:
         assert server.stop() == 0, server.log_tail(60)
+
+
+async def test_the_addresses_of_an_internet_ipv6_64_are_one_client(tiny_model_dir, tmp_path) -> None:
+    """One seat and a queue of 4, so a client may queue 2. Chats from four addresses of one IPv6 /64 (named by
+    X-Forwarded-For, which the server trusts from 127.0.0.1 as from a proxy there) are one client's: the first runs,
+    two wait, the fourth is refused as overloaded; a chat from another /64 is queued. Before, every address was a
+    client of its own (a host has 2^64 of them), and the fourth was queued."""
+    server = start_server(tmp_path, f"--max-model-len={MAX_MODEL_LEN}", "--max-num-seqs=1",
+                          "--max-queued-requests=4")
+
+    def at(address: str):
+        return connect(server.ws_url, additional_headers={"X-Forwarded-For": address})
+
+    try:
+        async with (at("2a00:1450:4001:81b::1") as a1, at("2a00:1450:4001:81b::2") as a2,
+                    at("2a00:1450:4001:81b:5::3") as a3, at("2a00:1450:4001:81b:ffff::4") as a4,
+                    at("2a00:1450:4001:81c::1") as b):
+            for ws in (a1, a2, a3, a4, b):
+                assert (await recv(ws))["type"] == "ready"
+            for i, ws in enumerate((a1, a2, a3)):
+                await ws.send(json.dumps(user_chat(f"a{i}", f"mine {i}", max_tokens=LONG, ignore_eos=True)))
+                await _wait_stats(b, running=1, waiting=i)
+            await a4.send(json.dumps(user_chat("a3", "one more", max_tokens=LONG, ignore_eos=True)))
+            refused = await recv(a4)
+            assert (refused["type"], refused["code"]) == ("error", "overloaded"), refused
+            assert "--max-queued-requests-per-client" in refused["message"], refused
+            await b.send(json.dumps(user_chat("b", "another site", max_tokens=LONG, ignore_eos=True)))
+            await _wait_stats(b, running=1, waiting=3)
+    finally:
+        assert server.stop() == 0, server.log_tail(60)

@@ -1,11 +1,13 @@
-"""Loop-side request state (service/handle.py): merging for slow readers, one finish, token rate."""
+"""Loop-side request state (service/handle.py): merging for slow readers, one finish, token rate; who a client is."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.handle import RequestError, RequestHandle, TokenRate
+from starlette.requests import HTTPConnection
+
+from service.handle import RequestError, RequestHandle, TokenRate, client_key, client_of
 
 
 @given(st.lists(st.tuples(st.text(max_size=5), st.integers(0, 3)), max_size=30), st.data())
@@ -87,3 +89,22 @@ def test_a_watched_text_counts_the_tokens_up_to_its_end(pieces, watched) -> None
     for piece in pieces:
         h.push(piece, 1, None)
     assert h.watched == watched
+
+
+@pytest.mark.parametrize(("host", "client"), [
+    ("2a00:1450:4001:81b::200e", "2a00:1450:4001:81b::/64"),  # an internet IPv6 address: its /64
+    ("2A00:1450:4001:81B:1:2:3:4", "2a00:1450:4001:81b::/64"),  # (another of the same /64, written otherwise)
+    ("2a00:1450:4001:81c::1", "2a00:1450:4001:81c::/64"),
+    ("::ffff:192.0.2.7", "192.0.2.7"),  # IPv4 on a dual-stack socket: the IPv4 address
+    ("192.0.2.7", "192.0.2.7"),
+    ("::1", "::1"), ("fe80::1", "fe80::1"), ("fd12:3456:789a:1::5", "fd12:3456:789a:1::5"),  # a LAN's: itself
+    ("-", "-"), ("proxy.internal", "proxy.internal"),  # not an address: as given
+])
+def test_a_client_is_its_address_and_internet_ipv6_its_64(host: str, client: str) -> None:
+    assert client_key(host) == client
+    scope = {"type": "http", "client": (host, 4321), "headers": []}
+    assert client_of(HTTPConnection(scope)) == client
+
+
+def test_without_a_peer_the_client_is_a_dash() -> None:
+    assert client_of(HTTPConnection({"type": "http", "client": None, "headers": []})) == "-"

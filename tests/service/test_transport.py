@@ -56,3 +56,19 @@ def test_the_protocol_class_is_bound_to_its_guard() -> None:
     protocol = guard.protocol()
     assert issubclass(protocol, H11Protocol) and protocol.guard is guard
     assert _guard(1).protocol().guard is not guard
+
+
+def test_an_http_peer_budget_is_its_client_an_internet_ipv6_its_64() -> None:
+    """A connection's reads and handling are charged to its peer's budget, the peer grouped as `client_key` groups
+    it: another address of the same /64 finds the budget spent, another /64 does not."""
+    protocol = _guard(4).protocol()
+
+    def charge(host: str, seconds: float) -> float:
+        conn: Any = object.__new__(protocol)
+        conn.client = (host, 4321)
+        return conn._charge(seconds)
+
+    assert charge("2a00:1450:4001:81b::1", 1.0) > 5  # (1 s of loop time at 10%: ~10 s to refill)
+    assert charge("2a00:1450:4001:81b:ffff::2", 0.0) > 5
+    assert charge("2a00:1450:4001:81c::1", 0.0) == 0.0
+    assert charge("::ffff:127.0.0.9", 1.0) > 5 and charge("127.0.0.9", 0.0) > 5
