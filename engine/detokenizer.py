@@ -154,21 +154,43 @@ class TokenText:
         # the text never shows these (skip_special_tokens): no bytes, named by their content
         self.special = {i: t.content for i, t in added.items() if getattr(t, "special", False)}
         self._bytes: dict[int, bytes] = {}
+        self.frozen = False
+        self.names: list[str] = []  # once frozen, every id's name and bytes (`table`)
+        self.raw: list[bytes] = []
+
+    def freeze(self, size: int = 0) -> TokenText:
+        """Reads every token's name and bytes now, for ids up to `size` (a model's vocabulary, which may have rows past
+        the tokenizer's: they have no bytes, as decoding them gives no text) or the tokenizer's last: a 128k
+        vocabulary takes ~0.2 s and ~13 MB. From then on no call touches the tokenizer, so any thread may name tokens
+        while another tokenizes with it (a fast tokenizer's Rust object refuses a read while a call elsewhere holds it
+        mutably), and `names` / `raw` are lists to index (service/handle.py names a stream's logprobs on the loop)."""
+        n = max(size, len(self.tokenizer), max(self.added, default=-1) + 1)
+        self.raw = [self._read(i, p) for i, p in enumerate(self.tokenizer.convert_ids_to_tokens(list(range(n))))]
+        self.names = [self.special[i] if i in self.special else b.decode("utf-8", "backslashreplace")
+                      for i, b in enumerate(self.raw)]
+        self.frozen = True
+        return self
 
     def bytes(self, token_id: int) -> bytes:
+        if self.frozen:
+            return self.raw[token_id] if token_id < len(self.raw) else b""
         b = self._bytes.get(token_id)
         if b is None:
-            b = self._bytes[token_id] = b"" if token_id in self.special else self._read(token_id)
+            b = self._bytes[token_id] = self._read(token_id, self.tokenizer.convert_ids_to_tokens(token_id))
         return b
 
     def name(self, token_id: int) -> str:
+        if self.frozen:
+            return self.names[token_id] if token_id < len(self.names) else ""
         if token_id in self.special:
             return self.special[token_id]
         return self.bytes(token_id).decode("utf-8", "backslashreplace")
 
-    def _read(self, token_id: int) -> bytes:
-        piece = self.tokenizer.convert_ids_to_tokens(token_id) if token_id not in self.added else None
-        if piece is not None:
+    def _read(self, token_id: int, piece: str | None) -> bytes:
+        """`piece`: the tokenizer's for the id (None past its vocabulary)."""
+        if token_id in self.special:
+            return b""
+        if piece is not None and token_id not in self.added:
             if self.byte_level and all(c in _BYTE_OF for c in piece):
                 return bytes(_BYTE_OF[c] for c in piece)
             if self.byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):

@@ -26,7 +26,7 @@ from engine import loader, structured
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_dir, kernel_cache_dir, sluice_home
 from engine.cuda_graphs import graph_sizes
-from engine.detokenizer import IncrementalDetokenizer, TokenText
+from engine.detokenizer import IncrementalDetokenizer
 from engine.layout import Layout, placement, plan_layout
 from engine.model_runner import ModelRunner
 from engine.models import LlamaModel
@@ -130,7 +130,6 @@ class LLMEngine:
         self.max_model_len = layout.max_model_len
         self.processor = InputProcessor(model_dir, mc.vocab_size, layout.max_model_len, config.chat_template)
         self.tokenizer = self.processor.tokenizer
-        self.token_text = TokenText(self.tokenizer)  # logprobs' token names and bytes
         # `bad_words` lists as token ids, the latest 64: a request's n choices and batch prompts share one (each was
         # tokenized again: a batch of 1,024 prompts with 256 long words held the engine thread for ~100 s)
         self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()

@@ -62,7 +62,7 @@ class InputProcessor:
 
     @cached_property
     def token_text(self) -> TokenText:
-        """Token names and bytes over this tokenizer, for a server's prompt logprobs (service/handle.py)."""
+        """Token names and bytes over this tokenizer, for a server's logprobs (service/handle.py; frozen by the server)."""
         return TokenText(self.tokenizer)
 
     def chat_ids(self, messages: Messages, add_special_tokens: bool = False, *, add_generation_prompt: bool = True,

@@ -83,7 +83,7 @@ class EngineBridge:
         self._sent: dict[str, _Sent] = {}  # request_id -> what the engine thread was given, in order
         self._queued: dict[str, str | None] = {}  # handles submitted but not started (the admission queue): client
         self._queued_by: Counter[str | None] = Counter()  # the admission queue's requests per client
-        self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready
+        self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready (its frozen token_text anywhere)
         self._tokenizer = FairExecutor("sluice-tokenizer", initializer=_yield_to_the_engine)  # clients in turn
         # request_id -> its prompt's ids and bad_words' (`_prepare`), to come, and the ids of the choices that share
         # that prompt (`submit_choices`)
@@ -160,7 +160,7 @@ class EngineBridge:
             raise RequestError("overloaded", f"this client has {self._queued_by[req.client]} requests waiting for the "
                                              f"engine, and may have {share} (--max-queued-requests-per-client); "
                                              "retry when they have started")
-        handles = [RequestHandle(str(next(self._ids)), req.api, notify) for _ in params]
+        handles = [RequestHandle(str(next(self._ids)), req.api, notify, self._processor.token_text) for _ in params]
         future = asyncio.wrap_future(self._tokenizer.submit(req.client, self._prepare, req))
         group = [h.request_id for h in handles]
         for h in handles:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from engine import Checkpoint, DeviceError, LLMEngine, PromptTooLongError, RequestOutput, SamplingParams, StepError
 from engine.processor import InputProcessor
-from service.handle import PromptScores, TokenLogprobs
+from service.handle import PromptScores, TokenScores
 from service.protocol import ErrorCode
 
 log = logging.getLogger("sluice.engine_thread")
@@ -61,7 +61,8 @@ Command = Add | Abort | Stop
 # ---- engine thread -> loop ------------------------------------------------------------------
 @dataclass(slots=True)
 class Delivery:
-    """One RequestOutput, made loop-safe: token strings of logprobs are decoded on the engine thread. Nothing
+    """One RequestOutput, made loop-safe: plain values, and logprobs in arrays, unnamed (the engine thread names no
+    token: the server does, as a response takes them, service/handle.py `TokenScores`). Nothing
     changes it once posted; not `frozen`, whose `__init__` sets each field through `object.__setattr__` (2.7 against
     0.6 µs here, and one is made per streaming request per step)."""
     request_id: str
@@ -70,7 +71,7 @@ class Delivery:
     finish_reason: str | None  # the engine's: "stop" | "length" | "abort"; None while running
     num_prompt_tokens: int
     num_cached_tokens: int
-    logprobs: list[TokenLogprobs] | None
+    logprobs: TokenScores | None  # its new tokens', unnamed: named when a response takes them (service/handle.py)
     rng_state: Any  # a seeded request's generator state after its new token (for its `Checkpoint`), else None
     # with its first token, if it asked: the prompt's ids and the engine's logprobs of them (the first's None), as
     # they come: named on the server's tokenizer thread when a response needs them (service/handle.py PromptScores)
@@ -166,6 +167,7 @@ class EngineWorker:
                 self._busy(None)
                 processor = InputProcessor(engine.model_dir, engine.model_config.vocab_size, engine.max_model_len,
                                            engine.config.chat_template)
+                processor.token_text.freeze(processor.vocab_size)  # (the loop names a stream's logprobs, the tokenizer thread the rest)
             except OSError as e:  # the model directory is missing or unreadable; the message says which and why
                 log.error("cannot load the model: %s", e)
                 return self._post("on_fatal", f"cannot load the model: {e}")
@@ -221,8 +223,8 @@ class EngineWorker:
                 failures.append(Failure(o.request_id, "internal", "the engine failed on this request"))
                 continue
             try:
-                deliveries.append(_delivery(engine, o))
-            except Exception as e:  # e.g. decoding its logprobs' tokens: it fails alone
+                deliveries.append(_delivery(o))
+            except Exception as e:  # (an output that cannot be carried: it fails alone)
                 if o.request_id in engine.requests:
                     engine.fail(o.request_id, e)
                 else:
@@ -362,12 +364,8 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def _delivery(engine: LLMEngine, o: RequestOutput) -> Delivery:
-    lps = None
-    if o.logprobs:  # present only when the request asked for them
-        tt = engine.token_text
-        lps = [(lp.token_id, tt.name(lp.token_id), tt.bytes(lp.token_id), lp.logprob,
-                tuple([(t, tt.name(t), tt.bytes(t), v) for t, v in lp.top])) for lp in o.logprobs]
+def _delivery(o: RequestOutput) -> Delivery:
+    lps = TokenScores.of(o.logprobs) if o.logprobs else None  # (present only when the request asked for them)
     plps = None if o.prompt_logprobs is None else PromptScores.of(o.prompt_token_ids, o.prompt_logprobs)
     return Delivery(o.request_id, o.new_token_ids, o.text_delta, o.finish_reason if o.finished else None,
                     o.num_prompt_tokens, o.num_cached_tokens, lps, o.rng_state, plps)

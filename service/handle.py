@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from engine import PromptLogprob, SamplingParams
+from engine import PromptLogprob, SamplingParams, TokenLogprob
 from engine.detokenizer import IncrementalDetokenizer, TokenText
 from service.protocol import ErrorCode
 
@@ -22,10 +22,8 @@ if TYPE_CHECKING:
     from starlette.requests import HTTPConnection
 
 # (token id, its name, its bytes, logprob, ((top token's id, name, bytes, logprob), ...)) per generated token
-# (engine/detokenizer.py TokenText: a token's own bytes may split a character; its name writes such bytes `\xNN`).
-# Tuples of strings and numbers alone: the collector stops tracking them, so a long answer's logprobs, kept until it
-# ends, do not make every full collection longer (n=128 choices of 300 tokens, each with 20 alternatives: 0.02-0.14 s
-# each, the loop waiting)
+# (engine/detokenizer.py TokenText: a token's own bytes may split a character; its name writes such bytes `\xNN`):
+# the renderers' form, made from a request's `TokenScores` (four arrays) as a response takes them.
 TokenLogprobs = tuple[int, str, bytes, float, tuple[tuple[int, str, bytes, float], ...]]
 # a prompt token's: (id, name, bytes, logprob, rank, top, its piece of the prompt's text); the first token's logprob
 # and rank None
@@ -77,6 +75,45 @@ class PromptScores(NamedTuple):
         if out and (rest := det.delta(True)):
             out[-1] = (*out[-1][:6], out[-1][6] + rest)
         return out
+
+
+class TokenScores(NamedTuple):
+    """An answer's tokens' logprobs as the engine gives them, before any name, in flat arrays: each token's id and
+    logprob, and its `k` top alternatives (the request's `logprobs`, as many for every token) in turn in `top_ids` /
+    `top_logprobs`. They are named when a response takes them (`RequestHandle.take`: a stream's on the loop, a whole
+    response's on the tokenizer thread), by the server's frozen `TokenText`. Until then a token with its top 20 is
+    ~250 bytes, not the ~4,100 of named tuples: an answer of thousands of tokens kept whole until it ends (with `n`
+    choices, in every seat) or merged for a client that reads slowly is kilobytes, not megabytes, and the engine
+    thread names nothing (256 streams with their top 20: ~2 ms of each step). `of`: from the engine's list."""
+    token_ids: array  # "i"
+    logprobs: array  # "d"
+    top_ids: array  # "i", k per token
+    top_logprobs: array  # "d"
+
+    @classmethod
+    def empty(cls) -> TokenScores:
+        return cls(array("i"), array("d"), array("i"), array("d"))
+
+    @classmethod
+    def of(cls, logprobs: list[TokenLogprob]) -> TokenScores:
+        return cls(array("i", [lp.token_id for lp in logprobs]), array("d", [lp.logprob for lp in logprobs]),
+                   array("i", [t for lp in logprobs for t, _ in lp.top]),
+                   array("d", [v for lp in logprobs for _, v in lp.top]))
+
+    def extend(self, more: TokenScores) -> None:
+        for mine, theirs in zip(self, more):
+            mine.extend(theirs)
+
+    def named(self, tt: TokenText) -> list[TokenLogprobs]:
+        """The renderers' form (`TokenLogprobs`): each token and alternative with its name and bytes."""
+        n = len(self.token_ids)
+        k = len(self.top_ids) // n if n else 0
+        # (a frozen TokenText's lists, indexed: a quarter of the time of its methods; ids are the model's, below the
+        # size it was frozen to)
+        name, raw = (tt.names.__getitem__, tt.raw.__getitem__) if tt.frozen else (tt.name, tt.bytes)
+        tops = [(t, name(t), raw(t), v) for t, v in zip(self.top_ids, self.top_logprobs)]
+        return [(t, name(t), raw(t), v, tuple(tops[j * k:(j + 1) * k]))
+                for j, (t, v) in enumerate(zip(self.token_ids, self.logprobs))]
 
 
 class RequestError(Exception):
@@ -157,8 +194,9 @@ class GenerateRequest:
 class RequestHandle:
     """One request in flight. The bridge `push`es outputs in; the consumer `take()`s them out, merged."""
 
-    def __init__(self, request_id: str, api: str, notify: Callable[[], None]) -> None:
+    def __init__(self, request_id: str, api: str, notify: Callable[[], None], names: TokenText | None = None) -> None:
         self.request_id = request_id
+        self.names = names  # the server's frozen TokenText: `take` names logprobs with it
         self.api = api
         self.notify = notify  # wakes the consumer; called on the loop after every change
         self.arrival = time.monotonic()
@@ -173,7 +211,7 @@ class RequestHandle:
         self.error: RequestError | None = None
         self._text: list[str] = []
         self._tokens = 0
-        self._logprobs: list[TokenLogprobs] = []
+        self._logprobs: TokenScores | None = None
         self._watch: str | None = None  # (`watch`)
         self._tail = ""
         self.watched: int | None = None  # the tokens up to the end of the watched text, once it came
@@ -195,14 +233,16 @@ class RequestHandle:
         self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
         self.queue_s = max(0.0, at - self.arrival)
 
-    def push(self, text: str, num_tokens: int, logprobs: list[TokenLogprobs] | None) -> None:
+    def push(self, text: str, num_tokens: int, logprobs: TokenScores | None) -> None:
         self.completion_tokens += num_tokens
         self._tokens += num_tokens
         if text:
             self._text.append(text)
             if self._watch is not None:
                 self._find(text)
-        if logprobs:
+        if logprobs is not None and logprobs.token_ids:
+            if self._logprobs is None:
+                self._logprobs = TokenScores.empty()  # (its own: a delivery's arrays are not this handle's to grow)
             self._logprobs.extend(logprobs)
 
     def watch(self, text: str, lead: str = "") -> None:
@@ -224,10 +264,13 @@ class RequestHandle:
         self.finish_reason, self.error = reason, error
 
     def take(self) -> tuple[str, int, list[TokenLogprobs]]:
-        """Everything not yet taken, merged: (text, number of tokens, logprobs)."""
-        text, tokens, lps = "".join(self._text), self._tokens, self._logprobs
-        self._text, self._tokens, self._logprobs = [], 0, []
-        return text, tokens, lps
+        """Everything not yet taken, merged: (text, number of tokens, logprobs named)."""
+        text, tokens, scores = "".join(self._text), self._tokens, self._logprobs
+        self._text, self._tokens, self._logprobs = [], 0, None
+        if scores is None:
+            return text, tokens, []
+        assert self.names is not None, f"request {self.request_id}: logprobs but no TokenText to name them"
+        return text, tokens, scores.named(self.names)
 
     def timing_ms(self) -> tuple[float, float | None, float]:
         """(queue, time to first token or None, total) in milliseconds since arrival."""

@@ -51,3 +51,21 @@ def test_byte_fallback_and_metaspace():
     assert any(t.convert_ids_to_tokens(i).startswith("<0x") for i in ids)
     assert b"".join(tt.bytes(i) for i in ids) == b" " + text.encode()  # a leading "▁" is a space of its own
     assert tt.bytes(t.convert_tokens_to_ids("<0xE2>")) == b"\xe2" and tt.name(t.convert_tokens_to_ids("<0xE2>")) == "\\xe2"
+
+
+def test_a_frozen_token_text_names_every_id_as_before_without_its_tokenizer(tok):
+    """`freeze` reads every name and bytes at once: the same as read one by one, up to the model's size (rows past the
+    tokenizer's: no bytes, named ""), and then no call touches the tokenizer, so the loop may name a stream's logprobs
+    while the tokenizer thread tokenizes with it."""
+    lazy, frozen = TokenText(tok), TokenText(tok).freeze(len(tok) + 8)
+
+    class Gone:
+        def __getattr__(self, name):
+            raise AssertionError(f"the tokenizer was used: {name}")
+
+    frozen.tokenizer = Gone()
+    ids = range(len(tok) + 8)
+    assert [frozen.name(i) for i in ids] == [lazy.name(i) for i in ids] == frozen.names
+    assert [frozen.bytes(i) for i in ids] == [lazy.bytes(i) for i in ids] == frozen.raw
+    assert frozen.name(len(tok) + 3) == "" and frozen.bytes(len(tok) + 3) == b""
+    assert (frozen.name(10**6), frozen.bytes(10**6)) == ("", b"")

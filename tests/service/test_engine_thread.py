@@ -221,19 +221,26 @@ async def test_a_device_that_fails_everything_loses_the_engine_and_its_kv(starte
     assert "DeviceError" in rec.lost and not rec.kv_intact and not rec.failures()
 
 
-def test_a_deliverys_logprobs_are_left_out_of_the_collectors_work(tiny_model_dir) -> None:
-    """Logprobs kept until a long answer ends (a whole response's) are tuples of strings and numbers alone: the
-    collector stops tracking them, so they do not lengthen every full collection while the loop waits."""
-    import gc
+def test_a_deliverys_logprobs_go_unnamed_in_arrays(tiny_model_dir) -> None:
+    """The engine thread names no token: a delivery's logprobs are the engine's ids and floats in four arrays (kept
+    until a long answer ends, four objects for the cyclic collector, not thousands of tuples), named by the server as
+    a response takes them, to what the tokenizer says."""
+    from array import array
 
+    from engine.processor import InputProcessor
     from service.engine_thread import _delivery
 
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256))
     eng.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, logprobs=5))
-    lps = []
+    scores, ids = [], []
     while eng.has_unfinished():
         for o in eng.step():
-            lps += _delivery(eng, o).logprobs or []
-    for _ in range(3):  # (a pass untracks a tuple whose items it found untracked: one level of nesting each)
-        gc.collect()
-    assert len(lps) == 4 and all(len(entry[4]) == 5 and not gc.is_tracked(entry) for entry in lps)
+            ids += o.new_token_ids
+            if (d := _delivery(o)).logprobs is not None:
+                scores.append(d.logprobs)
+    assert all(isinstance(a, array) for s in scores for a in s)
+    tt = InputProcessor(tiny_model_dir, 1024, 256).token_text.freeze()
+    named = [lp for s in scores for lp in s.named(tt)]
+    assert [lp[0] for lp in named] == ids and all(len(lp[4]) == 5 for lp in named)
+    assert [(lp[1], lp[2]) for lp in named] == [(tt.tokenizer.convert_ids_to_tokens(t).replace("Ġ", " "),
+                                                 tt.bytes(t)) for t in ids]

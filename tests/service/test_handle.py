@@ -7,31 +7,74 @@ from hypothesis import strategies as st
 
 from starlette.requests import HTTPConnection
 
-from service.handle import RequestError, RequestHandle, TokenRate, client_key, client_of
+from engine import TokenLogprob
+from engine.detokenizer import TokenText
+from service.handle import RequestError, RequestHandle, TokenRate, TokenScores, client_key, client_of
+
+
+@pytest.fixture(scope="module")
+def names(tiny_model_dir) -> TokenText:
+    """The server's: frozen to the model's vocabulary."""
+    from engine.processor import InputProcessor
+
+    return InputProcessor(tiny_model_dir, 1024, 512).token_text.freeze(1024)
+
+
+def _scores(ids: list[int], k: int = 1) -> TokenScores:
+    return TokenScores.of([TokenLogprob(t, -0.5 * t, [(t + j, -0.25 * j) for j in range(k)]) for t in ids])
 
 
 @given(st.lists(st.tuples(st.text(max_size=5), st.integers(0, 3)), max_size=30), st.data())
-def test_takes_merge_to_exactly_what_was_pushed(pushes: list[tuple[str, int]], data: st.DataObject) -> None:
-    h = RequestHandle("r", "ws", lambda: None)
-    taken_text, taken_tokens = [], 0
-    for text, n in pushes:
-        h.push(text, n, [(text, -1.0, [])] if n else None)
+def test_takes_merge_to_exactly_what_was_pushed(names: TokenText, pushes: list[tuple[str, int]],
+                                                data: st.DataObject) -> None:
+    h = RequestHandle("r", "ws", lambda: None, names)
+    taken_text, taken_tokens, taken_ids = [], 0, []
+    for i, (text, n) in enumerate(pushes):
+        h.push(text, n, _scores([10 * i + j for j in range(n)]) if n else None)
         if data.draw(st.booleans()):  # the reader keeps up sometimes, and sometimes lags
-            t, k, _ = h.take()
+            t, k, lps = h.take()
             taken_text.append(t)
             taken_tokens += k
-    t, k, _ = h.take()
+            taken_ids += [lp[0] for lp in lps]
+    t, k, lps = h.take()
     assert "".join(taken_text) + t == "".join(text for text, _ in pushes)
     assert taken_tokens + k == h.completion_tokens == sum(n for _, n in pushes)
+    assert taken_ids + [lp[0] for lp in lps] == [10 * i + j for i, (_, n) in enumerate(pushes) for j in range(n)]
     assert h.take() == ("", 0, [])
 
 
-def test_slow_reader_gets_one_merged_take() -> None:
-    h = RequestHandle("r", "ws", lambda: None)
-    for word in ["a", "b", "c"]:
-        h.push(word, 1, [(word, -0.5, [(word, -0.5)])])
+def test_slow_reader_gets_one_merged_take(names: TokenText) -> None:
+    h = RequestHandle("r", "ws", lambda: None, names)
+    for word, t in [("a", 300), ("b", 301), ("c", 302)]:
+        h.push(word, 1, _scores([t], k=2))
     text, tokens, lps = h.take()
-    assert (text, tokens, [t for t, _, _ in lps]) == ("abc", 3, ["a", "b", "c"])
+    assert (text, tokens) == ("abc", 3)
+    lazy = TokenText(names.tokenizer)  # (as read one by one)
+    assert lps == [(t, lazy.name(t), lazy.bytes(t), -0.5 * t, ((t, lazy.name(t), lazy.bytes(t), 0.0),
+                                                               (t + 1, lazy.name(t + 1), lazy.bytes(t + 1), -0.25)))
+                   for t in (300, 301, 302)]
+    assert all(lp[1] for lp in lps)
+
+
+def test_an_answers_logprobs_wait_unnamed_in_a_few_arrays(names: TokenText) -> None:
+    """A non-streamed answer's logprobs are kept until it ends (and a slow reader's until it reads): as the engine's
+    ids and floats, about 12 bytes a token and 12 an alternative, named only when taken. As named tuples they were
+    ~4 KB a token with its top 20 (a seat's answer of 32k tokens: 134 MB; every seat's, with `n` choices: gigabytes)."""
+    import pickle
+    import tracemalloc
+
+    h = RequestHandle("r", "chat", lambda: None, names)
+    steps = [pickle.loads(pickle.dumps(_scores([t % 1000], k=20))) for t in range(2000)]  # (as the engine's pipe brings)
+    tracemalloc.start()
+    try:
+        for i, scores in enumerate(steps):
+            h.push("x", 1, scores)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held / 2000 < 400, f"{held / 2000:.0f} bytes a token held"
+    _, _, lps = h.take()
+    assert len(lps) == 2000 and lps[-1][:2] == (999, names.name(999)) and len(lps[-1][4]) == 20
 
 
 def test_finishes_exactly_once() -> None:
