@@ -68,6 +68,11 @@ class Metered:
         self._coro, self._charge = coro, charge
         self._step = 0.0  # when the running step began
 
+    @property
+    def metering(self) -> bool:
+        """Whether the running step is charged (not stopped, not ended)."""
+        return self._charge is not None
+
     def stop(self) -> None:
         """Charges the running step so far (what led up to the engine's taking the request), and nothing after."""
         if self._charge is not None:
@@ -78,23 +83,26 @@ class Metered:
         steps = self._coro.__await__()
         value: Any = None
         error: BaseException | None = None
-        while True:
-            self._step = time.perf_counter()
-            try:
-                future = steps.send(value) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value
-            finally:
-                if self._charge is not None:
-                    self._charge(time.perf_counter() - self._step)
-            value, error = None, None
-            try:
-                value = yield future
-            except GeneratorExit:
-                steps.close()
-                raise
-            except BaseException as e:  # (a cancellation, thrown in by the task: its to handle)
-                error = e
+        try:
+            while True:
+                self._step = time.perf_counter()
+                try:
+                    future = steps.send(value) if error is None else steps.throw(error)
+                except StopIteration as done:
+                    return done.value
+                finally:
+                    if self._charge is not None:
+                        self._charge(time.perf_counter() - self._step)
+                value, error = None, None
+                try:
+                    value = yield future
+                except GeneratorExit:
+                    steps.close()
+                    raise
+                except BaseException as e:  # (a cancellation, thrown in by the task: its to handle)
+                    error = e
+        finally:  # (the scope holds this, and `_charge` the protocol that holds the scope: no cycle left behind)
+            self._coro = self._charge = None  # type: ignore[assignment]
 
 
 def stop_metering(scope: dict[str, Any]) -> None:

@@ -271,10 +271,20 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
     def _gone(self) -> bool:
         return self._upgraded or self.transport.is_closing()  # (a client sends nothing before the upgrade's 101)
 
+    def _may_parse(self) -> bool:
+        # h11 parses nothing past a request's end until its response is complete: bytes read meanwhile (a pipelined
+        # request, its body) wait in the backlog, to be parsed a slice at a time and charged (fed to h11, a whole
+        # read of them was parsed at once when the response completed, ~0.3 s of 1-byte chunks, and uncharged once
+        # the engine had the request)
+        return self.conn.their_state is not h11.DONE
+
     def _refilled(self) -> None:
         super()._refilled()
         if self._budget_wait is None and not self._gone() and self.conn.our_state is self.conn.their_state is h11.IDLE:
-            self.handle_events()  # (a pipelined request waiting in h11's buffer)
+            started = time.perf_counter()
+            self.handle_events()  # (a pipelined request waiting in h11's buffer: the rest of a slice, at most)
+            self._charge(time.perf_counter() - started)
+            self._feed()
         self._follow()  # (what the held bytes were: a head, a body's end)
 
     def handle_events(self) -> None:
@@ -287,7 +297,12 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
         super().handle_events()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        meter = self.scope.get(METER) if self.scope else None
+        started = time.perf_counter()
+        super().on_response_complete()  # (uvicorn's begins a pipelined request in h11's buffer: the rest of a slice)
+        if meter is None or not meter.metering:  # (else this is its request's step, which the meter charges)
+            self._charge(time.perf_counter() - started)
+        self._feed()  # what was read while the request ran, a slice at a time
         self._follow()
 
     def pause_writing(self) -> None:

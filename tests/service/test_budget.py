@@ -38,7 +38,7 @@ def test_expensive_frames_get_their_share() -> None:
 def test_peers_are_charged_apart_and_the_table_is_bounded() -> None:
     clock = Clock()
     peers = PeerBudgets(size=2, share=0.1, burst_s=0.01, clock=clock)
-    assert peers.charge("flood", 0.05) > 0  # past its burst: its next answer waits
+    assert peers.charge("flood", 0.05) > 0  # past its burst: its next reads and requests wait
     assert peers.charge("other", 0.001) == 0.0  # another peer is not slowed by it
     peers.charge("third", 0.001)  # the table keeps two: "flood", least recently charged, is forgotten
     assert peers.charge("flood", 0.001) == 0.0 and len(peers._by_peer) == 2
@@ -89,3 +89,25 @@ async def test_metered_charges_each_step_until_stopped_and_passes_everything_thr
     with pytest.raises(asyncio.CancelledError):
         await task
     assert cleaned.is_set()
+
+
+async def test_a_finished_meter_holds_neither_its_call_nor_its_charge() -> None:
+    """The scope holds its meter and the meter the protocol's `_charge`, and the protocol the scope: once the call
+    has ended the meter lets go of both, so a closed connection is freed at once, not by a full collection."""
+    import weakref
+
+    from service.budget import Metered
+
+    class Protocol:
+        def charge(self, seconds: float) -> float:
+            return 0.0
+
+    async def call() -> str:
+        return "done"
+
+    protocol = Protocol()
+    gone = weakref.ref(protocol)
+    meter = Metered(call(), protocol.charge)
+    assert meter.metering and await meter == "done" and not meter.metering
+    del protocol
+    assert gone() is None
