@@ -12,7 +12,8 @@ RUN apt-get update \
  && install -d -o haproxy -g haproxy /run/sluice-proxy
 COPY deploy/haproxy.py deploy/haproxy.cfg.template /opt/sluice-proxy/
 ENV SLUICE_REPLICAS=2 \
-    SLUICE_REPLICAS_DNS=sluice:8000
+    SLUICE_REPLICAS_DNS=sluice:8000 \
+    SLUICE_RATE_LIMIT=1000
 # Debian's haproxy user, by name: the package creates it, so its uid is not known here
 # hadolint ignore=DL3066
 USER haproxy
@@ -23,4 +24,4 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status != 200)"]
 # -W: master-worker (SIGUSR2 reloads: new workers at once, old ones finish their streams); -db: stay in the
 # foreground, logs on stderr
-ENTRYPOINT ["/bin/sh", "-c", "python3 /opt/sluice-proxy/haproxy.py --bind :8000 --replicas-dns \"$SLUICE_REPLICAS_DNS\" --count \"$SLUICE_REPLICAS\" -o /run/sluice-proxy/haproxy.cfg && haproxy -c -q -f /run/sluice-proxy/haproxy.cfg && exec haproxy -W -db -f /run/sluice-proxy/haproxy.cfg"]
+ENTRYPOINT ["/bin/sh", "-c", "python3 /opt/sluice-proxy/haproxy.py --bind :8000 --replicas-dns \"$SLUICE_REPLICAS_DNS\" --count \"$SLUICE_REPLICAS\" --rate-limit \"$SLUICE_RATE_LIMIT\" -o /run/sluice-proxy/haproxy.cfg && haproxy -c -q -f /run/sluice-proxy/haproxy.cfg && exec haproxy -W -db -f /run/sluice-proxy/haproxy.cfg"]

@@ -447,6 +447,7 @@ def test_the_proxy_image_generates_a_config_haproxy_accepts(tmp_path: Path) -> N
     assert r.returncode == 0 and "would run haproxy" in r.stdout, r.stdout + r.stderr
     cfg = (tmp_path / "haproxy.cfg").read_text()
     assert "server-template replica 2 sluice:8000 resolvers dns" in cfg and "bind :8000" in cfg
+    assert "if { sc_http_req_rate(0) gt 1000 }" in cfg  # (each client's rate: SLUICE_RATE_LIMIT)
     broken = subprocess.run(["/bin/sh", "-c", script], env={**env, "SLUICE_REPLICAS": "0"}, capture_output=True,
                             text=True, timeout=60, check=False)
     assert broken.returncode != 0 and "would run" not in broken.stdout  # a bad setting never serves

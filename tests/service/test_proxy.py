@@ -50,11 +50,11 @@ def haproxy_check(cfg: Path) -> subprocess.CompletedProcess[str]:
 
 
 class Proxy:
-    def __init__(self, tmp: Path, replicas: list[Server]) -> None:
+    def __init__(self, tmp: Path, replicas: list[Server], *flags: str) -> None:
         self.port = free_port()
         self.cfg = tmp / "haproxy.cfg"
         self.cfg.write_text(render("--bind", f"127.0.0.1:{self.port}", "--check-interval", "300ms",
-                                   *[f"--replica=127.0.0.1:{s.port}" for s in replicas]))
+                                   *[f"--replica=127.0.0.1:{s.port}" for s in replicas], *flags))
         check = haproxy_check(self.cfg)
         assert check.returncode == 0, check.stdout + check.stderr
         self.log = tmp / "haproxy.log"
@@ -101,16 +101,37 @@ def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Proxy, list[Serv
 
 def test_the_generator_writes_configs_haproxy_accepts(tmp_path) -> None:
     for args in (["--replica=10.0.0.1:8000", "--replica=10.0.0.2:8000"],
-                 ["--replicas-dns=sluice:8000", "--count=4"]):
+                 ["--replicas-dns=sluice:8000", "--count=4"], ["--replica=10.0.0.1:8000", "--rate-limit=0"]):
         cfg = tmp_path / "haproxy.cfg"
         cfg.write_text(render("--bind", ":8000", *args))
         check = haproxy_check(cfg)
         assert check.returncode == 0, check.stdout + check.stderr
     for bad in ([], ["--replica=10.0.0.1"], ["--replica=a:1", "--replicas-dns=b:2", "--count=1"],
-                ["--replicas-dns=sluice:8000"]):
+                ["--replicas-dns=sluice:8000"], ["--replica=10.0.0.1:8000", "--rate-limit=-1"]):
         proc = subprocess.run([sys.executable, str(REPO / "deploy" / "haproxy.py"), *bad], capture_output=True,
                               text=True, check=False)
         assert proc.returncode == 2 and "error:" in proc.stderr, bad
+
+
+def test_a_client_past_its_rate_gets_429_from_the_proxy_and_others_go_on(cluster, tmp_path) -> None:
+    """The proxy bounds each client's requests (`--rate-limit` in 10 s; the shipped default, 1,000, is what the other
+    tests run under): past it a client gets OpenAI's 429 (`rate_limit_exceeded`, with Retry-After) from the proxy,
+    every request of it counted, while another address's requests go on. (The replicas share their loop per
+    connecting address: the proxy's requests, everyone's, share one share, which one client's flood would spend.)"""
+    _, servers = cluster
+    proxy = Proxy(tmp_path, servers, "--rate-limit=20")
+    try:
+        def client(address: str) -> httpx.Client:
+            return httpx.Client(base_url=proxy.url, transport=httpx.HTTPTransport(local_address=address))
+
+        with client("127.0.0.3") as flood, client("127.0.0.4") as other:
+            assert [flood.get("/health").status_code for _ in range(24)] == [200] * 20 + [429] * 4
+            r = flood.get("/v1/models")
+            assert (r.status_code, r.headers["retry-after"], r.json()["error"]["code"]) == (
+                429, "5", "rate_limit_exceeded"), r.text
+            assert other.get("/health").status_code == 200 and other.get("/v1/models").status_code == 200
+    finally:
+        proxy.stop()
 
 
 async def _ws_chat(url: str, route: str, max_tokens: int) -> tuple[str, dict]:
