@@ -275,8 +275,8 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
         # h11 parses nothing past a request's end until its response is complete: bytes read meanwhile (a pipelined
         # request, its body) wait in the backlog, to be parsed a slice at a time and charged (fed to h11, a whole
         # read of them was parsed at once when the response completed, ~0.3 s of 1-byte chunks, and uncharged once
-        # the engine had the request)
-        return self.conn.their_state is not h11.DONE
+        # the engine had the request). With nothing read, reads go on: a client's hang-up is seen (its request stopped).
+        return self.conn.their_state is not h11.DONE or not self._backlog
 
     def _refilled(self) -> None:
         super()._refilled()
