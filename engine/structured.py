@@ -141,6 +141,7 @@ class Grammars:
         self._bitmask: torch.Tensor | None = None
         self._compiled: OrderedDict[tuple[str, ...], Future] = OrderedDict()  # by (kind, spec, after, opens)
         self._waiting: dict[Future, int] = {}  # compiles not done yet: how many requests wait for each (engine thread)
+        self._turns: dict[Future, dict[Hashable, Future]] = {}  # a compile not done yet: its job in each client's turn
         # NOTE: compiles at the usual priority: a request waits COMPILE_TIMEOUT_S of wall time for its own (at the
         # lowest, beside a forward that keeps the cores busy, a 0.5 s compile took over 30 s and was refused)
         self._compiles = _worker("sluice-grammar")
@@ -161,13 +162,32 @@ class Grammars:
             self._compiled.move_to_end(key)
             if not done.done():  # (one no request waited for any more, running on: waited for again)
                 self._waiting[done] = self._waiting.get(done, 0) + 1
+                turns = self._turns.setdefault(done, {})
+                if not done.running() and client not in turns:  # queued in other clients' turns: in this one's too
+                    turns[client] = self._compiles.submit(client, self._run, done, so)
             return done
-        future = self._compiles.submit(client, lambda: self._first_mask(*self._compile(so)))
+        future: Future = Future()  # (the compile, made in the first turn of a client that asked for it)
         self._compiled[key] = future
         while len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
         self._waiting[future] = 1
+        self._turns[future] = {client: self._compiles.submit(client, self._run, future, so)}
         return future
+
+    def _run(self, future: Future, so: StructuredOutput) -> None:
+        """On the compile thread, in a client's turn: `so` compiled into `future`, unless an earlier turn of another
+        client that asked for it has (its job in this client's turn then costs nothing): a schema another client
+        queued too is compiled in whichever client's turn comes first, not in the first asker's alone (a hostile
+        client that queued a common schema behind a dozen slow ones of its own held every other request for it)."""
+        if future.done() or future.running():
+            return
+        future.started = time.monotonic()  # type: ignore[attr-defined]  # (its time limit's origin)
+        if not future.set_running_or_notify_cancel():  # (dropped: no request waits for it any more)
+            return
+        try:
+            future.set_result(self._first_mask(*self._compile(so)))
+        except BaseException as e:  # the requests' to see
+            future.set_exception(e)
 
     def release(self, future: Future) -> None:
         """A request no longer waits for `future`, from `compile` (it has its grammar, ended, or gave up). A compile
@@ -176,7 +196,10 @@ class Grammars:
         left = self._waiting.pop(future, 0) - 1
         if left > 0:
             self._waiting[future] = left
-        elif future.cancel():  # (True only for a compile still queued)
+            return
+        for job in self._turns.pop(future, {}).values():
+            job.cancel()  # (its queued turns: out of the queue)
+        if future.cancel():  # (True only for a compile not begun)
             for key in [k for k, f in self._compiled.items() if f is future]:
                 del self._compiled[key]
 

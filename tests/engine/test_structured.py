@@ -239,6 +239,32 @@ def test_clients_take_turns_at_the_compile_thread(tiny_model_dir, monkeypatch):
     eng.check_integrity()
 
 
+def test_a_schema_another_client_queued_too_is_compiled_in_the_first_turn_of_either(tiny_model_dir, monkeypatch):
+    """A schema a's requests queued behind a's own slow ones, which b then asks for too (a common one: its compile is
+    cached and shared), is compiled in b's turn, before a's later ones, and serves a's request as well: before, b's
+    request waited in a's queue, behind all of them. The time limit counts from when the compile began."""
+    eng = _engine(tiny_model_dir)
+    release, seen = _held_compiles(eng, monkeypatch)
+    digits = [StructuredOutput("regex", f"[0-9]{{{i}}}") for i in range(1, 4)]
+    common = StructuredOutput.choice(CHOICES)
+    eng.add_request("a0", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, structured_output=digits[0]),
+                    client="a")
+    _wait_for(lambda: len(seen) == 1)  # (a0's compile runs, held: the rest queue)
+    for i, so in enumerate([digits[1], digits[2], common], 1):
+        eng.add_request(f"a{i}", PROMPTS[i], SamplingParams(max_tokens=8, temperature=0.0, structured_output=so),
+                        client="a")
+    eng.add_request("b0", PROMPTS[4], SamplingParams(max_tokens=8, temperature=0.0, structured_output=common),
+                    client="b")
+    release.set()
+    outs = _run(eng)
+    got = {o.request_id: o for o in outs}
+    assert [so.spec for so in seen] == [digits[0].spec, digits[1].spec, common.spec, digits[2].spec]  # (once)
+    assert all(o.finished and not o.error for o in got.values()) and len(got) == 5
+    for rid in ("a3", "b0"):
+        assert "".join(o.text_delta for o in outs if o.request_id == rid) in CHOICES
+    eng.check_integrity()
+
+
 def _wait_for(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
