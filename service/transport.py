@@ -111,6 +111,7 @@ def _raw_response(status: int, message: str, code: str, type_: str | None = None
 
 
 _TCPI_BYTES_ACKED = slice(120, 128)  # where Linux's struct tcp_info has tcpi_bytes_acked (a u64, since 4.1)
+_REQUEST_ENDED = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)  # h11 parses no more of the client's until the response ends
 READ_SLICE = 16 << 10  # bytes of a read parsed at once: at most ~20 ms of loop time, however tiny the frames
 
 
@@ -275,8 +276,10 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
         # h11 parses nothing past a request's end until its response is complete: bytes read meanwhile (a pipelined
         # request, its body) wait in the backlog, to be parsed a slice at a time and charged (fed to h11, a whole
         # read of them was parsed at once when the response completed, ~0.3 s of 1-byte chunks, and uncharged once
-        # the engine had the request). With nothing read, reads go on: a client's hang-up is seen (its request stopped).
-        return self.conn.their_state is not h11.DONE or not self._backlog
+        # the engine had the request). With nothing read, reads go on: a client's hang-up is seen (its request stopped;
+        # one behind held bytes is seen when the response is written, as uvicorn's own pause has it). A request with an
+        # `Upgrade` header that is not a WebSocket's is answered as any other, from MIGHT_SWITCH_PROTOCOL
+        return self.conn.their_state not in _REQUEST_ENDED or not self._backlog
 
     def _refilled(self) -> None:
         super()._refilled()
@@ -300,9 +303,11 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
         meter = self.scope.get(METER) if self.scope else None
         started = time.perf_counter()
         super().on_response_complete()  # (uvicorn's begins a pipelined request in h11's buffer: the rest of a slice)
-        if meter is None or not meter.metering:  # (else this is its request's step, which the meter charges)
+        if meter is None or not meter.metering:
             self._charge(time.perf_counter() - started)
-        self._feed()  # what was read while the request ran, a slice at a time
+            self._feed()  # what was read while the request ran, a slice at a time
+        else:  # (this is its request's step, which the meter charges: the slices, charged each, come after it)
+            self.loop.call_soon(self._feed)
         self._follow()
 
     def pause_writing(self) -> None:

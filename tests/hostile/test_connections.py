@@ -679,10 +679,9 @@ async def test_a_body_of_tiny_chunks_pipelined_behind_a_request_the_engine_has_g
     model = httpx.get(f"{flood_target.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
     first = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
     body = b"1\r\n \r\n" * 40_000 + b"%x\r\n%s\r\n0\r\n\r\n" % (len(first), first)  # (whitespace, then the JSON)
-    pair = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(first)}\r\n\r\n").encode() + first + (
-            f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
-            "content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n").encode() + body
+    head = f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n".encode()
+    pair = (head + f"content-type: application/json\r\ncontent-length: {len(first)}\r\n\r\n".encode()
+            + first + head + b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n" + body)
     reader, writer = await _raw(flood_target)
     answers = asyncio.create_task(_read_all(reader))
     try:

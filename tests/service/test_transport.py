@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import h11
+import pytest
+
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.transport import HttpGuard
@@ -72,3 +75,21 @@ def test_an_http_peer_budget_is_its_client_an_internet_ipv6_its_64() -> None:
     assert charge("2a00:1450:4001:81b:ffff::2", 0.0) > 5
     assert charge("2a00:1450:4001:81c::1", 0.0) == 0.0
     assert charge("::ffff:127.0.0.9", 1.0) > 5 and charge("127.0.0.9", 0.0) > 5
+
+
+@pytest.mark.parametrize("upgrade", [b"", b"upgrade: x\r\n"])
+def test_bytes_read_after_a_whole_request_wait_until_its_response(upgrade: bytes) -> None:
+    """Once a request is whole, h11 parses nothing more until its response is complete: what is read meanwhile (a
+    pipelined request, its body) stays in the backlog, to go a slice at a time, charged, when it is. With nothing
+    held, reads go on (a hang-up is seen). A request with an `Upgrade` header that is no WebSocket's ends in h11's
+    MIGHT_SWITCH_PROTOCOL, not DONE: its pipelined bytes went into h11 whole, to be parsed in one go."""
+    conn: Any = object.__new__(_guard(4).protocol())
+    conn.conn = h11.Connection(h11.SERVER)
+    conn.conn.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n" + upgrade + b"\r\nhi")
+    conn._backlog = b""
+    assert conn._may_parse()
+    assert [type(conn.conn.next_event()) for _ in range(3)] == [h11.Request, h11.Data, h11.EndOfMessage]
+    assert conn.conn.their_state in (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)
+    assert conn._may_parse()  # (nothing held: reads go on)
+    conn._backlog = b"GET / HTTP/1.1\r\n"
+    assert not conn._may_parse()
