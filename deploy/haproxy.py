@@ -15,6 +15,7 @@ from pathlib import Path
 from string import Template
 
 TEMPLATE = Path(__file__).with_name("haproxy.cfg.template")
+WHOLE_ADDRESSES = ("0.0.0.0/0", "::ffff:0:0/96", "64:ff9b::/96", "::1", "fc00::/7", "fe80::/10")
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
 
@@ -43,7 +44,11 @@ def render(*, bind: str, replicas: list[str] = (), replicas_dns: str | None = No
                                   "type": "requests", "param": None, "code": "rate_limit_exceeded"}})
     limit = "" if not rate_limit else (
         "    stick-table type ipv6 size 1m expire 60s store http_req_rate(10s)\n"
-        "    http-request track-sc0 src,ipmask(32,64)\n"
+        # (an internet IPv6 address by its /64; IPv4, IPv4 on a dual-stack bind, NAT64's, and loopback, private and
+        # link-local addresses each alone, as service/handle.py client_key counts clients)
+        f"    acl whole_address src {' '.join(WHOLE_ADDRESSES)}\n"
+        "    http-request track-sc0 src if whole_address\n"
+        "    http-request track-sc0 src,ipmask(32,64) unless whole_address\n"
         f"    http-request return status 429 content-type application/json hdr retry-after 5 string '{error}'"
         f" if {{ sc_http_req_rate(0) gt {rate_limit} }}\n")
     return Template(TEMPLATE.read_text()).substitute(

@@ -149,12 +149,15 @@ def client_of(conn: HTTPConnection) -> str:
     return client_key(conn.client.host) if conn.client else "-"
 
 
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+
+
 @functools.lru_cache(maxsize=4096)
 def client_key(host: str) -> str:
     """The client a peer address belongs to: an internet IPv6 address is its /64 ("2001:4860:1:2::/64"), the least
     a site is given, so one host's 2^64 addresses (privacy addresses, or one per connection) are one client and not
     that many shares of the queue, the seats and the loop; an IPv4 address as IPv6 (a dual-stack socket's
-    "::ffff:192.0.2.1") is the IPv4 address; any other address is itself (IPv4; loopback, link-local and private
+    "::ffff:192.0.2.1", NAT64's "64:ff9b::c000:201") is the IPv4 address; any other address is itself (IPv4; loopback, link-local and private
     IPv6, where hosts on one LAN share a /64), and anything not an address (a proxy's name, "-") is as given."""
     try:
         ip = ipaddress.ip_address(host)
@@ -163,6 +166,8 @@ def client_key(host: str) -> str:
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
             return str(ip.ipv4_mapped)
+        if ip in _NAT64:  # (an IPv4 client translated to IPv6, by SIIT or NAT64: one /64 for every such client)
+            return str(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
         if ip.is_global:
             return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return str(ip)

@@ -139,6 +139,7 @@ def test_a_watched_text_counts_the_tokens_up_to_its_end(pieces, watched) -> None
     ("2A00:1450:4001:81B:1:2:3:4", "2a00:1450:4001:81b::/64"),  # (another of the same /64, written otherwise)
     ("2a00:1450:4001:81c::1", "2a00:1450:4001:81c::/64"),
     ("::ffff:192.0.2.7", "192.0.2.7"),  # IPv4 on a dual-stack socket: the IPv4 address
+    ("64:ff9b::c000:207", "192.0.2.7"), ("64:ff9b::c000:208", "192.0.2.8"),  # translated by NAT64: the same
     ("192.0.2.7", "192.0.2.7"),
     ("::1", "::1"), ("fe80::1", "fe80::1"), ("fd12:3456:789a:1::5", "fd12:3456:789a:1::5"),  # a LAN's: itself
     ("-", "-"), ("proxy.internal", "proxy.internal"),  # not an address: as given

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,10 +51,10 @@ def haproxy_check(cfg: Path) -> subprocess.CompletedProcess[str]:
 
 
 class Proxy:
-    def __init__(self, tmp: Path, replicas: list[Server], *flags: str) -> None:
+    def __init__(self, tmp: Path, replicas: list[Server], *flags: str, host: str = "127.0.0.1") -> None:
         self.port = free_port()
         self.cfg = tmp / "haproxy.cfg"
-        self.cfg.write_text(render("--bind", f"127.0.0.1:{self.port}", "--check-interval", "300ms",
+        self.cfg.write_text(render("--bind", f"{host}:{self.port}", "--check-interval", "300ms",
                                    *[f"--replica=127.0.0.1:{s.port}" for s in replicas], *flags))
         check = haproxy_check(self.cfg)
         assert check.returncode == 0, check.stdout + check.stderr
@@ -117,9 +118,16 @@ def test_a_client_past_its_rate_gets_429_from_the_proxy_and_others_go_on(cluster
     """The proxy bounds each client's requests (`--rate-limit` in 10 s; the shipped default, 1,000, is what the other
     tests run under): past it a client gets OpenAI's 429 (`rate_limit_exceeded`, with Retry-After) from the proxy,
     every request of it counted, while another address's requests go on. (The replicas share their loop per
-    connecting address: the proxy's requests, everyone's, share one share, which one client's flood would spend.)"""
+    connecting address: the proxy's requests, everyone's, share one share, which one client's flood would spend.)
+    The proxy listens on both IPv4 and IPv6 where it can: IPv4 clients then come as IPv4-mapped IPv6 addresses,
+    each still a client of its own, not one IPv6 /64."""
     _, servers = cluster
-    proxy = Proxy(tmp_path, servers, "--rate-limit=20")
+    try:
+        socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True).close()
+        host = "::"  # (bound as ":::PORT": IPv6 and, through it, IPv4)
+    except OSError:  # (no IPv6 here: IPv4 alone)
+        host = "127.0.0.1"
+    proxy = Proxy(tmp_path, servers, "--rate-limit=20", host=host)
     try:
         def client(address: str) -> httpx.Client:
             return httpx.Client(base_url=proxy.url, transport=httpx.HTTPTransport(local_address=address))
