@@ -155,7 +155,7 @@ class TokenText:
         self.special = {i: t.content for i, t in added.items() if getattr(t, "special", False)}
         self._bytes: dict[int, bytes] = {}
         self.frozen = False
-        self.names: list[str] = []  # once frozen, every id's name and bytes (`table`)
+        self.names: list[str] = []  # once frozen (`freeze`), every id's name and bytes
         self.raw: list[bytes] = []
 
     def freeze(self, size: int = 0) -> TokenText:

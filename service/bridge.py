@@ -83,7 +83,8 @@ class EngineBridge:
         self._sent: dict[str, _Sent] = {}  # request_id -> what the engine thread was given, in order
         self._queued: dict[str, str | None] = {}  # handles submitted but not started (the admission queue): client
         self._queued_by: Counter[str | None] = Counter()  # the admission queue's requests per client
-        self._processor: InputProcessor | None = None  # used on the tokenizer thread only, once ready (its frozen token_text anywhere)
+        # used on the tokenizer thread only, once ready (its frozen token_text on any thread)
+        self._processor: InputProcessor | None = None
         self._tokenizer = FairExecutor("sluice-tokenizer", initializer=_yield_to_the_engine)  # clients in turn
         # request_id -> its prompt's ids and bad_words' (`_prepare`), to come, and the ids of the choices that share
         # that prompt (`submit_choices`)

@@ -167,7 +167,7 @@ class EngineWorker:
                 self._busy(None)
                 processor = InputProcessor(engine.model_dir, engine.model_config.vocab_size, engine.max_model_len,
                                            engine.config.chat_template)
-                processor.token_text.freeze(processor.vocab_size)  # (the loop names a stream's logprobs, the tokenizer thread the rest)
+                processor.token_text.freeze(processor.vocab_size)  # (the loop names a stream's logprobs too)
             except OSError as e:  # the model directory is missing or unreadable; the message says which and why
                 log.error("cannot load the model: %s", e)
                 return self._post("on_fatal", f"cannot load the model: {e}")

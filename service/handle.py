@@ -82,9 +82,10 @@ class TokenScores(NamedTuple):
     logprob, and its `k` top alternatives (the request's `logprobs`, as many for every token) in turn in `top_ids` /
     `top_logprobs`. They are named when a response takes them (`RequestHandle.take`: a stream's on the loop, a whole
     response's on the tokenizer thread), by the server's frozen `TokenText`. Until then a token with its top 20 is
-    ~250 bytes, not the ~4,100 of named tuples: an answer of thousands of tokens kept whole until it ends (with `n`
-    choices, in every seat) or merged for a client that reads slowly is kilobytes, not megabytes, and the engine
-    thread names nothing (256 streams with their top 20: ~2 ms of each step). `of`: from the engine's list."""
+    ~270 bytes, not the ~4,900 of named tuples: an answer kept whole until it ends (with `n` choices, in every seat)
+    or merged for a client that reads slowly holds an eighteenth of what it did (a 32k-token answer: 9 MB, not 160),
+    and the engine thread names nothing (256 streams with their top 20: ~1.8 ms of each step). `of`: from the
+    engine's list."""
     token_ids: array  # "i"
     logprobs: array  # "d"
     top_ids: array  # "i", k per token
@@ -157,8 +158,9 @@ def client_key(host: str) -> str:
     """The client a peer address belongs to: an internet IPv6 address is its /64 ("2001:4860:1:2::/64"), the least
     a site is given, so one host's 2^64 addresses (privacy addresses, or one per connection) are one client and not
     that many shares of the queue, the seats and the loop; an IPv4 address as IPv6 (a dual-stack socket's
-    "::ffff:192.0.2.1", NAT64's "64:ff9b::c000:201") is the IPv4 address; any other address is itself (IPv4; loopback, link-local and private
-    IPv6, where hosts on one LAN share a /64), and anything not an address (a proxy's name, "-") is as given."""
+    "::ffff:192.0.2.1", NAT64's "64:ff9b::c000:201") is the IPv4 address; any other address is itself (IPv4;
+    loopback, link-local and private IPv6, where hosts on one LAN share a /64), and anything not an address (a
+    proxy's name, "-") is as given."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:

@@ -64,7 +64,8 @@ def test_an_answers_logprobs_wait_unnamed_in_a_few_arrays(names: TokenText) -> N
     import tracemalloc
 
     h = RequestHandle("r", "chat", lambda: None, names)
-    steps = [pickle.loads(pickle.dumps(_scores([t % 1000], k=20))) for t in range(2000)]  # (as the engine's pipe brings)
+    # (as the engine's pipe brings them)
+    steps = [pickle.loads(pickle.dumps(_scores([t % 1000], k=20))) for t in range(2000)]
     tracemalloc.start()
     try:
         for i, scores in enumerate(steps):
