@@ -1,7 +1,7 @@
 """flood: one WebSocket client floods 1 MB frames of 28,000 one-character messages; how fast does a neighbour stream?
 
 The neighbour is one greedy chat of `tokens` tokens on its own connection. The flooder (`bench/flooder.py`, a
-process of its own at niceness 19: an attacker's CPU is elsewhere) sends the next frame as soon as the last one
+process of its own at niceness 19, from another address: an attacker's CPU is elsewhere) sends the next frame as soon as the last one
 is refused. Before the tokenizer thread and the loop budget, each such frame froze the engine thread ~0.7 s.
 Rounds alternate alone / flooded; the targets are medians of same-round ratios.
 """
@@ -67,7 +67,7 @@ def _round(url: str, tokens: int, flooded: bool) -> dict:
 
     flooder = None
     if flooded:
-        flooder = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "bench.flooder", url],
+        flooder = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "bench.flooder", url, "127.0.0.2"],
                                    cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, text=True)
         for _ in range(3):  # under way: three frames refused
             if flooder.stdout.readline() != "prompt_too_long\n":

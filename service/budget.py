@@ -1,15 +1,14 @@
-"""`LoopBudget`: one connection's share of the event loop, as a token bucket of loop seconds.
+"""`LoopBudget`: one client's share of the event loop, as a token bucket of loop seconds.
 
 Every frame a connection sends costs the loop some time to parse (an empty ping: microseconds, and a client
 can send a million a second), and each message to decode and check (a 1 MB frame of 28,000 tiny messages:
 ~7 ms). A client that sends such frames as fast as it is answered would keep the loop busy, and, through the
-GIL, stall the engine thread and every other stream. A WebSocket's reads (service/transport.py) and its
-reader's decoding (service/ws.py) charge their time to one budget and, once the connection has spent its
-burst, read no more for a while; TCP then holds the client back.
-Ordinary chat frames cost microseconds and never wait. HTTP is charged per peer address (`PeerBudgets`): its reads
-(service/transport.py) and each request's handling until the engine has it (`Metered`: routing, the key check, the
-body's decoding, a quick answer such as `/metrics`), and a peer that has spent its budget is read no more, nor its
-next pipelined request begun, until it has refilled.
+GIL, stall the engine thread and every other stream. A client (an address, as service/handle.py `client_key`
+groups them) has one budget (`PeerBudgets`), whatever it sends and on however many connections: a WebSocket's
+reads (service/transport.py) and its reader's decoding (service/ws.py), an HTTP connection's reads and each HTTP
+request's handling until the engine has it (`Metered`: routing, the key check, the body's decoding, a quick answer
+such as `/metrics`). A client that has spent its burst is read no more, nor its next pipelined request begun, for a
+while; TCP then holds it back. Ordinary chat frames cost microseconds and never wait.
 """
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
-SHARE = 0.1  # of the loop's time, per connection, sustained
-BURST_S = 0.01  # loop seconds a connection may spend at once before it is slowed
+SHARE = 0.1  # of the loop's time, per client, sustained
+BURST_S = 0.01  # loop seconds a client may spend at once before it is slowed
 METER = "sluice.meter"  # the ASGI scope key of an HTTP request's `Metered` (service/transport.py)
 
 
@@ -39,20 +38,44 @@ class LoopBudget:
 
 
 class PeerBudgets:
-    """A `LoopBudget` per peer address, for HTTP, whose requests arrive on many short connections; the
-    `size` most recently charged peers are remembered (a forgotten one starts afresh, with a full burst)."""
+    """A `LoopBudget` per client: the budgets of the `size` most recently charged clients, and of every client with
+    a WebSocket open (`hold`), are remembered (a forgotten one starts afresh, with a full burst). Keys are
+    `client_key`s: HTTP charges its socket's peer; a WebSocket, `client_of` its upgrade (a trusted proxy's
+    X-Forwarded-For), as the scheduler shares the engine."""
 
     def __init__(self, size: int = 4096, **budget: float) -> None:
         self.size, self.budget = size, budget
         self._by_peer: OrderedDict[str, LoopBudget] = OrderedDict()
+        self._held: dict[str, tuple[LoopBudget, int]] = {}  # a budget and the sockets holding it
 
     def charge(self, peer: str, seconds: float) -> float:
         """As `LoopBudget.charge`, for this peer's budget."""
-        budget = self._by_peer.pop(peer, None) or LoopBudget(**self.budget)  # type: ignore[arg-type]
+        if (held := self._held.get(peer)) is not None:
+            return held[0].charge(seconds)
+        budget = self._by_peer.pop(peer, None) or self._new()
+        self._remember(peer, budget)
+        return budget.charge(seconds)
+
+    def hold(self, peer: str) -> LoopBudget:
+        """This peer's budget, remembered until as many `release`s: a WebSocket's, which charges it directly."""
+        budget, holders = self._held.get(peer) or (self._by_peer.pop(peer, None) or self._new(), 0)
+        self._held[peer] = budget, holders + 1
+        return budget
+
+    def release(self, peer: str) -> None:
+        budget, holders = self._held.pop(peer)
+        if holders > 1:
+            self._held[peer] = budget, holders - 1
+        else:
+            self._remember(peer, budget)
+
+    def _new(self) -> LoopBudget:
+        return LoopBudget(**self.budget)  # type: ignore[arg-type]
+
+    def _remember(self, peer: str, budget: LoopBudget) -> None:
         self._by_peer[peer] = budget
         if len(self._by_peer) > self.size:
             self._by_peer.popitem(last=False)
-        return budget.charge(seconds)
 
 
 class Metered:

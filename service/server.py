@@ -84,7 +84,8 @@ def serve(config: ServerConfig) -> int:
     # uvicorn warns that its legacy `websockets` implementation is deprecated; Sluice runs `websockets-sansio`
     # (docs/architecture.md §9).
     warnings.filterwarnings("ignore", message=".*`websockets` implementation is deprecated.*")
-    guard = HttpGuard(config.timeout_headers, config.timeout_body, config.timeout_send, config.max_http_connections)
+    guard = HttpGuard(config.timeout_headers, config.timeout_body, config.timeout_send, config.max_http_connections,
+                      app.state.service.loop_budgets)
     ucfg = uvicorn.Config(
         app, host=config.host, port=config.port, loop="uvloop", http=guard.protocol(), ws=SluiceWebSocketProtocol,
         ws_per_message_deflate=False,  # compression costs CPU per token frame and enables zip-bomb frames

@@ -17,6 +17,7 @@ from starlette.status import WS_1001_GOING_AWAY
 from engine import LLMEngine
 from service.auth import PendingAuth
 from service.bridge import EngineBridge
+from service.budget import PeerBudgets
 from service.config import ServerConfig
 from service.metrics import Metrics
 from service.response_store import ResponseStore
@@ -43,6 +44,7 @@ class Service:
                                    engine_process=config.engine_process)
         self.connections: set[Closable] = set()  # authenticated; --max-connections counts these
         self.pending_auth = PendingAuth(config.max_pending_auth)  # open, still waiting to send `hello`
+        self.loop_budgets = PeerBudgets()  # each client's share of the event loop (service/budget.py)
         self.responses = ResponseStore(int(config.responses_store_mb * (1 << 20)))  # the Responses API's
         self.draining = False
         self.started_at = int(time.time())

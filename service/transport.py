@@ -9,8 +9,8 @@ is charged to its peer's budget (service/budget.py), as is the app's handling of
 has it (`Metered`); a peer that has spent it is read no more, nor is its next pipelined request begun, for a while.
 WebSocket (websockets-sansio): neither an upgrade refused with a denial response nor a text frame that is
 not UTF-8 is logged as an error, and each upgrade gets uvicorn's one log line, not websockets' own besides.
-The loop time spent on a socket's reads (parsing its frames, answering its pings) is charged to its
-`LoopBudget` (service/budget.py), which service/ws.py charges its decoding to as well.
+The loop time spent on a socket's reads (parsing its frames, answering its pings) is charged to its client's
+`LoopBudget` (service/budget.py; service/ws.py names it, and charges its decoding to it as well).
 """
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ from service.handle import client_key
 from service.openai_api import error_response
 
 log = logging.getLogger("sluice.transport")
-# the ASGI scope extensions under which SluiceWebSocketProtocol offers `send_text_now` and the socket's `LoopBudget`
+# the ASGI scope extensions under which SluiceWebSocketProtocol offers `send_text_now` and `charge_reads_to`
 # (service/ws.py uses them)
 SEND_TEXT_NOW = "sluice.send_text_now"
-LOOP_BUDGET = "sluice.loop_budget"
+CHARGE_READS_TO = "sluice.charge_reads_to"
 
 # Where a connection is: waiting on its client for a request head or the rest of a body, or for it to read the
 # response (the socket's write buffer is over its high water mark), or the app answers.
@@ -511,14 +511,19 @@ class SluiceWebSocketProtocol(_ChargedReads, WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.conn.logger = _DebugInfo(self.conn.logger, {})
-        self.loop_budget = LoopBudget()
+        self.loop_budget = LoopBudget()  # the socket's own, until the app names its client's (`charge_reads_to`)
         self._init_reads()
 
     def handle_connect(self, event: h11.Request) -> None:
         super().handle_connect(event)
         if getattr(self, "scope", None) is not None:  # (absent when the upgrade itself was refused)
             self.scope["extensions"][SEND_TEXT_NOW] = self.send_text_now
-            self.scope["extensions"][LOOP_BUDGET] = self.loop_budget
+            self.scope["extensions"][CHARGE_READS_TO] = self.charge_reads_to
+
+    def charge_reads_to(self, budget: LoopBudget) -> None:
+        """From now on this socket's reads are charged to `budget`: its client's, shared by the client's every
+        connection (service/budget.py)."""
+        self.loop_budget = budget
 
     def send_text_now(self, data: bytes) -> bool:
         """Writes a text frame of UTF-8 `data` to the socket now, without the ASGI layers in between (the `send`

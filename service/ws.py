@@ -21,11 +21,10 @@ from starlette.status import (
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from service.auth import bearer_token, key_matches, origin_allowed
-from service.budget import LoopBudget
 from service.handle import client_of
 from service.openai_errors import RETRY_AFTER_S
 from service.protocol import ErrorCode, Error, Hello, ServerMessage, decode_client, encode, encode_utf8
-from service.transport import LOOP_BUDGET, SEND_TEXT_NOW
+from service.transport import CHARGE_READS_TO, SEND_TEXT_NOW
 from service.ws_session import Session
 
 if TYPE_CHECKING:
@@ -45,8 +44,12 @@ class Connection:
         self._space = asyncio.Event()  # clear while the session is backlogged
         self._space.set()
         extensions = ws.scope.get("extensions") or {}
-        # one budget for the socket's reads (Sluice's server charges their frames' parsing to it) and its decoding
-        self._budget = extensions.get(LOOP_BUDGET) or LoopBudget()
+        # the client's share of the loop (service/budget.py), for the socket's decoding and, under Sluice's server,
+        # its reads (their frames' parsing); every connection of the client charges the same one. Released by
+        # `websocket_endpoint`.
+        self._budget = svc.loop_budgets.hold(self.session.client)
+        if (charge_reads_to := extensions.get(CHARGE_READS_TO)) is not None:
+            charge_reads_to(self._budget)
         self._send_now = extensions.get(SEND_TEXT_NOW)  # Sluice's server only
         self._writing = False  # the writer task is sending: everything goes through it until it waits again
         self._unsent: list[ServerMessage] = []  # taken from the session, turned back by the socket: sent first
@@ -186,7 +189,7 @@ class Connection:
             else:
                 self.session.receive(decode_client(text))
             if (wait := self._budget.charge(time.perf_counter() - started)) > 0:
-                await asyncio.sleep(wait)  # this connection has had its share of the loop (service/budget.py)
+                await asyncio.sleep(wait)  # this client has had its share of the loop (service/budget.py)
 
     async def _write_loop(self) -> None:
         try:
@@ -234,4 +237,5 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     finally:
         svc.connections.discard(conn)
         svc.pending_auth.leave(conn)
+        svc.loop_budgets.release(conn.session.client)
         svc.metrics.websocket_connections.dec()

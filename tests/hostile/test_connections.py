@@ -636,6 +636,17 @@ async def test_a_stream_of_tiny_frames_gets_the_loop_share_of_one_connection(flo
     assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on one flooding socket"
 
 
+async def test_tiny_frames_on_many_sockets_get_the_loop_share_of_one_client(flood_target: Server) -> None:
+    """The same flood of empty pings on eight sockets of one address at once: each socket had a share of its own, and
+    eight sockets ran the loop flat out. A client's connections share one budget now."""
+    sockets = [await _raw_upgraded(flood_target) for _ in range(8)]
+    ping = bytes([0x89, 0x80]) + bytes(4)
+    chunk = ping * ((1 << 16) // len(ping))
+    floods = [_flood(flood_target, writer, chunk, answers=reader) for reader, writer in sockets]
+    cpu, elapsed = (await asyncio.gather(*floods))[0]
+    assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on eight flooding sockets"
+
+
 async def test_a_body_of_tiny_chunks_gets_the_loop_share_of_its_peer(flood_target: Server) -> None:
     """A chunked request body sent as 1-byte chunks as fast as TCP takes them: h11 parses each one on the loop, and
     the server ran flat out on this one connection until the body reached its megabyte. Its reads are charged to

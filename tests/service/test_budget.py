@@ -1,5 +1,5 @@
-"""LoopBudget (service/budget.py): ordinary frames never wait; a connection that keeps spending the loop's time
-waits so that, sustained, it gets `share` of it."""
+"""LoopBudget (service/budget.py): ordinary frames never wait; a client that keeps spending the loop's time
+waits so that, sustained, it gets `share` of it, however many connections it spends it on."""
 from __future__ import annotations
 
 import pytest
@@ -42,6 +42,27 @@ def test_peers_are_charged_apart_and_the_table_is_bounded() -> None:
     assert peers.charge("other", 0.001) == 0.0  # another peer is not slowed by it
     peers.charge("third", 0.001)  # the table keeps two: "flood", least recently charged, is forgotten
     assert peers.charge("flood", 0.001) == 0.0 and len(peers._by_peer) == 2
+
+
+def test_a_held_budget_is_shared_and_never_forgotten_until_released() -> None:
+    """A client's WebSockets hold its budget (`hold`) and charge it directly: every socket of it, and its HTTP
+    requests, spend one budget; while a socket holds it, it is not forgotten however many peers are charged since
+    (a new budget would be a full burst, and a second share); released by the last, it is remembered as any."""
+    clock = Clock()
+    peers = PeerBudgets(size=2, share=0.1, burst_s=0.01, clock=clock)
+    one, two = peers.hold("client"), peers.hold("client")
+    assert one is two
+    assert one.charge(0.05) > 0
+    assert two.charge(0.0) > 0 and peers.charge("client", 0.0) > 0  # (its other socket, its HTTP: spent too)
+    for i in range(5):  # more peers than the table keeps
+        peers.charge(f"p{i}", 0.001)
+    assert peers.charge("client", 0.0) > 0 and peers.hold("client") is one
+    for _ in range(3):
+        peers.release("client")
+    assert peers.charge("client", 0.0) > 0 and "client" in peers._by_peer and not peers._held  # (remembered)
+    peers.charge("p8", 0.001)
+    peers.charge("p9", 0.001)
+    assert peers.hold("client") is not one  # (forgotten at last: a fresh budget)
 
 
 async def test_metered_charges_each_step_until_stopped_and_passes_everything_through() -> None:
