@@ -75,6 +75,7 @@ class ServerConfig:
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_connections: int | None = None
+    max_connections_per_client: int | None = None  # of those, one client's; None: half (none without a limit)
     max_pending_auth: int = 64
     max_http_connections: int = 1024
     timeout_auth: float = 10.0
@@ -106,6 +107,8 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("--max-connections must be >= 1")
+        if self.max_connections_per_client is not None and self.max_connections_per_client < 1:
+            raise ValueError("--max-connections-per-client must be >= 1")
         if self.max_queued_requests_per_client is not None and self.max_queued_requests_per_client < 1:
             raise ValueError("--max-queued-requests-per-client must be >= 1")
         if self.timeout_graceful_shutdown < 0:
@@ -348,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-connections", type=int,
                    help="most authenticated WebSocket connections; sockets still waiting to authenticate do not "
                         "count (default: no limit)")
+    s.add_argument("--max-connections-per-client", type=int, default=d.max_connections_per_client, metavar="N",
+                   help="of those, one client's (a peer address), so one cannot take every connection (default: half "
+                        "of --max-connections; no limit without it)")
     s.add_argument("--max-pending-auth", type=int, default=d.max_pending_auth,
                    help="most WebSockets waiting to send `hello` (with --api-key); one more closes the oldest "
                         "(default: %(default)s)")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Protocol
@@ -31,6 +32,44 @@ class Closable(Protocol):
     def shutdown(self, code: int = ...) -> None: ...
 
 
+class Connections:
+    """The authenticated WebSocket connections: `--max-connections` counts them, and `--max-connections-per-client`
+    (default half of that) each client's (`client_of`), so one client cannot take every slot."""
+
+    def __init__(self, limit: int | None, per_client: int | None = None) -> None:
+        self.limit = limit
+        self.per_client = per_client if per_client is not None else None if limit is None else max(1, limit // 2)
+        self._clients: dict[Closable, str] = {}
+        self._held: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def __iter__(self) -> Iterator[Closable]:
+        return iter(list(self._clients))
+
+    def refusal(self, client: str) -> tuple[int, str] | None:
+        """Why `client` may not open one more now, as an HTTP status and a message (503: the server is full; 429:
+        the client holds its share); None: it may."""
+        if self.limit is not None and len(self) >= self.limit:
+            return 503, f"all {self.limit} connections are in use (--max-connections); retry later"
+        if self.per_client is not None and self._held[client] >= self.per_client:
+            return 429, (f"this client holds {self._held[client]} connections, as many as one client may "
+                         "(--max-connections-per-client); close one, or retry later")
+        return None
+
+    def add(self, conn: Closable, client: str) -> None:
+        if conn not in self._clients:
+            self._clients[conn] = client
+            self._held[client] += 1
+
+    def discard(self, conn: Closable) -> None:
+        if (client := self._clients.pop(conn, None)) is not None:
+            self._held[client] -= 1
+            if not self._held[client]:
+                del self._held[client]
+
+
 class Service:
     def __init__(self, config: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> None:
         self.config = config
@@ -42,7 +81,7 @@ class Service:
                                    step_timeout=config.engine_iteration_timeout_s,
                                    rebuildable=(config.tensor_parallel_size or 1) == 1,
                                    engine_process=config.engine_process)
-        self.connections: set[Closable] = set()  # authenticated; --max-connections counts these
+        self.connections = Connections(config.max_connections, config.max_connections_per_client)  # authenticated
         self.pending_auth = PendingAuth(config.max_pending_auth)  # open, still waiting to send `hello`
         self.loop_budgets = PeerBudgets()  # each client's share of the event loop (service/budget.py)
         self.responses = ResponseStore(int(config.responses_store_mb * (1 << 20)))  # the Responses API's
@@ -78,7 +117,7 @@ class Service:
             log.warning("cancelling %d requests still running after %.0f s", self.bridge.num_in_flight, timeout)
             self.bridge.abort_all()
             await _wait_until(lambda: not self.bridge.num_in_flight or give_up(), 5.0)
-        for conn in list(self.connections):
+        for conn in self.connections:
             conn.shutdown(WS_1001_GOING_AWAY)
         # a client that never reads its close frame gets no longer than this
         await _wait_until(lambda: not self.connections or give_up(), 2.0)

@@ -92,7 +92,7 @@ class Connection:
         token = bearer_token(self.ws.headers)
         # NOTE: counted (in `connections` or `pending_auth`) before the first await, so a burst cannot overshoot
         if key is None or (token is not None and key_matches(token, key)):
-            self.svc.connections.add(self)  # decided by the upgrade request: never waits
+            self.svc.connections.add(self, self.session.client)  # decided by the upgrade request: never waits
             await self.ws.accept()
         elif token is not None:
             await self.ws.accept()
@@ -149,11 +149,9 @@ class Connection:
             case _:
                 return await self._refuse('authenticate first: send {"type": "hello", "api_key": KEY} '
                                           "or the header `Authorization: Bearer KEY`")
-        cap = self.svc.config.max_connections
-        if cap is not None and len(self.svc.connections) >= cap:
-            return await self._refuse(f"all {cap} connections are in use (--max-connections); retry later",
-                                      "overloaded", WS_1013_TRY_AGAIN_LATER)
-        self.svc.connections.add(self)
+        if (refusal := self.svc.connections.refusal(self.session.client)) is not None:
+            return await self._refuse(refusal[1], "overloaded", WS_1013_TRY_AGAIN_LATER)
+        self.svc.connections.add(self, self.session.client)
         return True
 
     async def _refuse(self, message: str, code: ErrorCode = "unauthorized",
@@ -220,8 +218,8 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
         refusal = (403, "this Origin is not allowed (--allowed-origins)")
     elif not svc.accepting:
         refusal = (503, "the server is starting or shutting down; retry shortly")
-    elif svc.config.max_connections is not None and len(svc.connections) >= svc.config.max_connections:
-        refusal = (503, f"too many connections (limit {svc.config.max_connections}); retry later")
+    else:
+        refusal = svc.connections.refusal(client_of(websocket))
     if refusal is not None:
         log.debug("websocket upgrade refused: %d %s", *refusal)  # uvicorn logs the status line at info
         try:

@@ -48,6 +48,7 @@ HTTP_LIMIT, BOUNDED_MAX_CONNECTIONS, BOUNDED_PENDING = 4, 3, 2  # of `bounded`
 def guarded(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(
         tmp_path_factory.mktemp("hostile-guarded"), *MODEL_FLAGS, f"--max-connections={MAX_CONNECTIONS}",
+        f"--max-connections-per-client={MAX_CONNECTIONS}",  # (every socket here is one address's)
         f"--max-pending-auth={MAX_PENDING}", f"--timeout-auth={TIMEOUT_AUTH}", f"--timeout-headers={TIMEOUT}",
         f"--timeout-body={TIMEOUT}", f"--timeout-send={TIMEOUT}", f"--timeout-keep-alive={TIMEOUT}",
         f"--allowed-origins={GOOD_ORIGIN}",
@@ -62,7 +63,8 @@ def bounded(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     """Few HTTP connections and pending sockets, deadlines far beyond any test: what closes here was evicted."""
     server = start_server(
         tmp_path_factory.mktemp("hostile-bounded"), *MODEL_FLAGS, f"--max-http-connections={HTTP_LIMIT}",
-        f"--max-connections={BOUNDED_MAX_CONNECTIONS}", f"--max-pending-auth={BOUNDED_PENDING}",
+        f"--max-connections={BOUNDED_MAX_CONNECTIONS}", f"--max-connections-per-client={BOUNDED_MAX_CONNECTIONS}",
+        f"--max-pending-auth={BOUNDED_PENDING}",
         "--timeout-auth=600", "--timeout-headers=600", "--timeout-body=600", "--timeout-send=600",
         "--timeout-keep-alive=600",
         env={"SLUICE_API_KEY": KEY})
@@ -222,6 +224,36 @@ async def test_pending_sockets_push_out_only_each_other(bounded: Server) -> None
     for ws in [newest, *authed[1:]]:
         await ws.close()
     await wait_websockets(bounded, 0)
+
+
+async def test_one_client_holds_at_most_its_share_of_the_connections(tiny_model_dir, tmp_path) -> None:
+    """`--max-connections=4`: one address may hold two (`--max-connections-per-client`, half by default); its third
+    upgrade gets 429 (Retry-After), its socket that was waiting to authenticate gets `overloaded` and 1013 at its
+    `hello`, and another address still connects. Before, one client (with the key, or on a server without one) could
+    take every slot, and every other client got 503 until it let one go."""
+    server = start_server(tmp_path, *MODEL_FLAGS, "--max-connections=4", env={"SLUICE_API_KEY": KEY})
+    try:
+        pending = await connect(server.ws_url)  # (holds no slot until its `hello`)
+        held = [await _authed(server) for _ in range(2)]
+        with pytest.raises(InvalidStatus) as refused:
+            await connect(server.ws_url, additional_headers=AUTH)
+        response = refused.value.response
+        assert response.status_code == 429 and response.headers["retry-after"] == "1", response
+        assert b"--max-connections-per-client" in response.body, response.body
+        await send(pending, type="hello", api_key=KEY)
+        frames, code = await _closed_with(pending)
+        assert code == 1013 and frames[0]["code"] == "overloaded", (code, frames)
+        assert "--max-connections-per-client" in frames[0]["message"], frames
+        other = await connect(server.ws_url, additional_headers=AUTH, local_addr=("127.0.0.2", 0))
+        assert (await recv(other))["type"] == "ready"
+        await held[0].close()
+        await wait_websockets(server, 2)
+        again = await _authed(server)  # (its share has room again)
+        for ws in [*held[1:], other, again]:
+            await ws.close()
+    finally:
+        assert server.stop() == 0, server.log_tail(60)
+    assert "Traceback" not in server.log_text(), server.log_tail(80)
 
 
 # ---- 2. expected client behaviour logs one line, never a traceback --------------------------------

@@ -34,7 +34,8 @@ def guarded(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     (tmp / "system.txt").write_text(PINNED)
     server = start_server(
         tmp, f"--pin-system-prompt={tmp / 'system.txt'}", "--num-kv-blocks=512", f"--max-model-len={MAIN_ENGINE['max_model_len']}", "--max-num-seqs=1",
-        f"--max-connections={MAX_CONNECTIONS}", f"--max-queued-requests={MAX_QUEUED}",
+        f"--max-connections={MAX_CONNECTIONS}", f"--max-connections-per-client={MAX_CONNECTIONS}",  # (one address)
+        f"--max-queued-requests={MAX_QUEUED}",
         f"--max-queued-requests-per-client={MAX_QUEUED}",  # (the queue is this one client's: test_overloaded_queue)
         f"--allowed-origins=http://other.example,{ORIGIN}", env={"SLUICE_API_KEY": KEY})
     yield server
