@@ -4,9 +4,10 @@ HTTP (h11): a request head must be whole within `--timeout-headers` of the conne
 may pause at most `--timeout-body`, a response whose client takes none of it at most `--timeout-send`, and at
 most `--max-http-connections` are open (a WebSocket leaves the count at its upgrade). At the bound, the
 connection that has waited longest on its client (for a head, a body, or to read its response) is closed to
-make room; only when every one is running a request does a new one get 503. The loop time its reads take
-is charged to its peer's budget (service/budget.py), as is the app's handling of each request until the engine
-has it (`Metered`); a peer that has spent it is read no more, nor is its next pipelined request begun, for a while.
+make room; only when every one is running a request does a new one get 503. The loop time its reads take is
+charged to its peer's budget (service/budget.py), as are its making and its end, and the app's handling of each
+request until the engine has it (`Metered`); a peer that has spent it is read no more, nor is its next pipelined
+request begun, for a while.
 WebSocket (websockets-sansio): neither an upgrade refused with a denial response nor a text frame that is
 not UTF-8 is logged as an error, and each upgrade gets uvicorn's one log line, not websockets' own besides.
 The loop time spent on a socket's reads (parsing its frames, answering its pings) is charged to its client's
@@ -193,6 +194,7 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
     guard: ClassVar[HttpGuard]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._born = time.perf_counter()  # (making and setting up a connection is charged to its peer)
         super().__init__(*args, **kwargs)
         self._phase: Phase | None = None
         self._deadline: asyncio.TimerHandle | None = None
@@ -232,20 +234,25 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
     # ---- uvicorn's protocol, followed ------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if not self.guard.admit(self):
-            log.info("%s: refused: all %d HTTP connections are running requests (--max-http-connections): 503",
-                     self._peer, self.guard.max_connections)
-            self._done = True
-            self.transport.write(_raw_response(
-                503, f"all {self.guard.max_connections} HTTP connections are in use; retry shortly",
-                "too_many_connections"))
-            self.transport.close()
-            return
-        # uvicorn arms its keep-alive timer only after a response: a connection that never sends a byte gets it too
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
-        self._follow()
+        try:
+            if not self.guard.admit(self):
+                log.info("%s: refused: all %d HTTP connections are running requests (--max-http-connections): 503",
+                         self._peer, self.guard.max_connections)
+                self._done = True
+                self.transport.write(_raw_response(
+                    503, f"all {self.guard.max_connections} HTTP connections are in use; retry shortly",
+                    "too_many_connections"))
+                self.transport.close()
+                return
+            # uvicorn arms its keep-alive timer only after a response: a connection that never sends a byte gets it too
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+            self._follow()
+        finally:  # (the connection's making, from its protocol's: a client opening one per request spent it uncharged)
+            self._charge(time.perf_counter() - self._born)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        started = time.perf_counter()
         self._set_deadline(None)
         self._stop_send_deadline()
         self._stop_reads()
@@ -254,6 +261,7 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
             log.info("%s: %s: the client closed the connection before sending the whole body",
                      self._peer, self._request_line())
         super().connection_lost(exc)
+        self._charge(time.perf_counter() - started)
 
     def data_received(self, data: bytes) -> None:
         self._take(data)
