@@ -44,17 +44,22 @@ class PeerBudgets:
     X-Forwarded-For), as the scheduler shares the engine."""
 
     def __init__(self, size: int = 4096, **budget: float) -> None:
-        self.size, self.budget = size, budget
+        self.size, self.params = size, budget
         self._by_peer: OrderedDict[str, LoopBudget] = OrderedDict()
         self._held: dict[str, tuple[LoopBudget, int]] = {}  # a budget and the sockets holding it
 
     def charge(self, peer: str, seconds: float) -> float:
         """As `LoopBudget.charge`, for this peer's budget."""
+        return self.budget(peer).charge(seconds)
+
+    def budget(self, peer: str) -> LoopBudget:
+        """This peer's budget, remembered as a charge would (a socket may charge it directly for a while: a WebSocket,
+        from its upgrade until its app names its client's)."""
         if (held := self._held.get(peer)) is not None:
-            return held[0].charge(seconds)
+            return held[0]
         budget = self._by_peer.pop(peer, None) or self._new()
         self._remember(peer, budget)
-        return budget.charge(seconds)
+        return budget
 
     def hold(self, peer: str) -> LoopBudget:
         """This peer's budget, remembered until as many `release`s: a WebSocket's, which charges it directly."""
@@ -70,7 +75,7 @@ class PeerBudgets:
             self._remember(peer, budget)
 
     def _new(self) -> LoopBudget:
-        return LoopBudget(**self.budget)  # type: ignore[arg-type]
+        return LoopBudget(**self.params)  # type: ignore[arg-type]
 
     def _remember(self, peer: str, budget: LoopBudget) -> None:
         self._by_peer[peer] = budget
@@ -79,11 +84,13 @@ class PeerBudgets:
 
 
 class Metered:
-    """An HTTP request's app call, awaited step by step: the loop time of each step (from a resumption to the next
-    suspension) is charged with `charge` until `stop()`. Without it, requests that make no work for the engine --
-    `GET /metrics`, `/health`, a 401 or a 404, pipelined on one connection or each on a new one -- ran the server's
-    loop flat out, uncounted. Once the engine has a request (`stop`, by the handler that submits it), what it costs
-    the loop follows its tokens, which the scheduler shares between clients, and is not charged."""
+    """An HTTP request's app call, or a WebSocket's, awaited step by step: the loop time of each step (from a
+    resumption to the next suspension) is charged with `charge` until `stop()`. Without it, requests that make no work
+    for the engine -- `GET /metrics`, `/health`, a 401 or a 404, pipelined on one connection or each on a new one, or
+    WebSocket upgrades refused -- ran the server's loop flat out, uncounted. Once the engine has a request (`stop`, by
+    the handler that submits it), what it costs the loop follows its tokens, which the scheduler shares between
+    clients, and is not charged; a WebSocket's is stopped at its `ready`, and its messages' decoding is charged as
+    each one is read (service/ws.py)."""
 
     __slots__ = ("_coro", "_charge", "_step")
 

@@ -352,8 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most authenticated WebSocket connections; sockets still waiting to authenticate do not "
                         "count (default: no limit)")
     s.add_argument("--max-connections-per-client", type=int, default=d.max_connections_per_client, metavar="N",
-                   help="of those, one client's (a peer address), so one cannot take every connection (default: half "
-                        "of --max-connections; no limit without it)")
+                   help="of those, one client's (a peer address, or a trusted proxy's X-Forwarded-For), so one cannot "
+                        "take every connection (default: half of --max-connections; no limit without it)")
     s.add_argument("--max-pending-auth", type=int, default=d.max_pending_auth,
                    help="most WebSockets waiting to send `hello` (with --api-key); one more closes the oldest "
                         "(default: %(default)s)")

@@ -36,10 +36,10 @@ from service.handle import client_key
 from service.openai_api import error_response
 
 log = logging.getLogger("sluice.transport")
-# the ASGI scope extensions under which SluiceWebSocketProtocol offers `send_text_now` and `charge_reads_to`
+# the ASGI scope extensions under which SluiceWebSocketProtocol offers `send_text_now` and `charge_to`
 # (service/ws.py uses them)
 SEND_TEXT_NOW = "sluice.send_text_now"
-CHARGE_READS_TO = "sluice.charge_reads_to"
+CHARGE_TO = "sluice.charge_to"
 
 # Where a connection is: waiting on its client for a request head or the rest of a body, or for it to read the
 # response (the socket's write buffer is over its high water mark), or the app answers.
@@ -271,8 +271,12 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
     def _parse(self, data: bytes) -> None:
         super().data_received(data)
 
+    @property
+    def _budget_key(self) -> str:
+        return client_key(self.client[0]) if self.client else "-"
+
     def _charge(self, seconds: float) -> float:
-        return self.guard.budgets.charge(client_key(self.client[0]) if self.client else "-", seconds)
+        return self.guard.budgets.charge(self._budget_key, seconds)
 
     def _uvicorn_paused(self) -> bool:
         return self.flow.read_paused
@@ -354,6 +358,10 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
         self.guard.leave(self)  # WebSockets are bounded by --max-connections and --max-pending-auth
         self._done = True
         super().handle_websocket_upgrade(event)
+        if isinstance(ws := self.transport.get_protocol(), SluiceWebSocketProtocol):
+            # its reads and its app's handling (an upgrade refused costs the loop too) are this peer's until the app
+            # names the client's: a new socket has no burst of its own
+            ws.charge_to(self.guard.budgets.budget(self._budget_key))
 
     # ---- the guard -------------------------------------------------------------------------------
     def _follow(self, data_arrived: bool = False) -> None:
@@ -519,18 +527,27 @@ class SluiceWebSocketProtocol(_ChargedReads, WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.conn.logger = _DebugInfo(self.conn.logger, {})
-        self.loop_budget = LoopBudget()  # the socket's own, until the app names its client's (`charge_reads_to`)
+        # the socket's own for its upgrade's head, then its peer's (`GuardedH11Protocol.handle_websocket_upgrade`),
+        # then its client's, once the app names it (`charge_to`)
+        self.loop_budget = LoopBudget()
         self._init_reads()
+        app = self.app
+
+        def metered(scope: Any, receive: Any, send: Any) -> Metered:  # (until its `ready`, charged as its reads are)
+            scope[METER] = call = Metered(app(scope, receive, send), self._charge)
+            return call
+
+        self.app = metered
 
     def handle_connect(self, event: h11.Request) -> None:
         super().handle_connect(event)
         if getattr(self, "scope", None) is not None:  # (absent when the upgrade itself was refused)
             self.scope["extensions"][SEND_TEXT_NOW] = self.send_text_now
-            self.scope["extensions"][CHARGE_READS_TO] = self.charge_reads_to
+            self.scope["extensions"][CHARGE_TO] = self.charge_to
 
-    def charge_reads_to(self, budget: LoopBudget) -> None:
-        """From now on this socket's reads are charged to `budget`: its client's, shared by the client's every
-        connection (service/budget.py)."""
+    def charge_to(self, budget: LoopBudget) -> None:
+        """From now on this socket's reads, and its app's handling until `ready`, are charged to `budget`: its
+        client's, shared by the client's every connection (service/budget.py)."""
         self.loop_budget = budget
 
     def send_text_now(self, data: bytes) -> bool:

@@ -21,10 +21,11 @@ from starlette.status import (
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from service.auth import bearer_token, key_matches, origin_allowed
+from service.budget import stop_metering
 from service.handle import client_of
 from service.openai_errors import RETRY_AFTER_S
 from service.protocol import ErrorCode, Error, Hello, ServerMessage, decode_client, encode, encode_utf8
-from service.transport import CHARGE_READS_TO, SEND_TEXT_NOW
+from service.transport import CHARGE_TO, SEND_TEXT_NOW
 from service.ws_session import Session
 
 if TYPE_CHECKING:
@@ -44,15 +45,15 @@ class Connection:
         self._space = asyncio.Event()  # clear while the session is backlogged
         self._space.set()
         extensions = ws.scope.get("extensions") or {}
-        # the client's share of the loop (service/budget.py), for the socket's decoding and, under Sluice's server,
-        # its reads (their frames' parsing); every connection of the client charges the same one. Released by
-        # `websocket_endpoint`.
-        self._budget = svc.loop_budgets.hold(self.session.client)
-        if (charge_reads_to := extensions.get(CHARGE_READS_TO)) is not None:
-            charge_reads_to(self._budget)
         self._send_now = extensions.get(SEND_TEXT_NOW)  # Sluice's server only
         self._writing = False  # the writer task is sending: everything goes through it until it waits again
         self._unsent: list[ServerMessage] = []  # taken from the session, turned back by the socket: sent first
+        # the client's share of the loop (service/budget.py), for the socket's decoding and, under Sluice's server,
+        # its reads (their frames' parsing) and its handling until `ready`; every connection of the client charges
+        # the same one. Released by `websocket_endpoint`.
+        self._budget = svc.loop_budgets.hold(self.session.client)
+        if (charge_to := extensions.get(CHARGE_TO)) is not None:
+            charge_to(self._budget)
 
     def _wake_writer(self) -> None:
         """The session has output: written now where it can be (module docstring), else by the writer task."""
@@ -103,6 +104,7 @@ class Connection:
             await self.ws.accept()
             if not await self._hello(key, evicted):
                 return
+        stop_metering(self.ws.scope)  # (from here each message's decoding is charged as it is read: `_read_loop`)
         writer = asyncio.create_task(self._write_loop())
         try:
             self.session.send(self.session.ready())

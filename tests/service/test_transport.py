@@ -2,6 +2,8 @@
 The deadlines themselves run against a real server in tests/hostile/test_connections.py."""
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import h11
@@ -10,6 +12,7 @@ import pytest
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.transport import HttpGuard
+from websockets.exceptions import ConnectionClosed
 
 
 class _Conn:  # stands in for a GuardedH11Protocol
@@ -93,3 +96,76 @@ def test_bytes_read_after_a_whole_request_wait_until_its_response(upgrade: bytes
     assert conn._may_parse()  # (nothing held: reads go on)
     conn._backlog = b"GET / HTTP/1.1\r\n"
     assert not conn._may_parse()
+
+
+async def test_a_websocket_is_charged_to_its_peer_from_its_upgrade_and_holds_nothing_once_closed(
+        tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sluice's protocols in a server of this process, its budgets on a frozen clock (nothing refills). A refused
+    upgrade's handling (its Origin check made to take 50 ms of the loop) is charged to its peer's budget: before, a
+    new socket charged its own, a fresh burst, dropped once the app named its client, and upgrades refused cost their
+    client nothing. Every socket's hold on its client's budget ends with it (accepted, refused, or never saying
+    hello)."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    import service.ws
+    from service.app import build_app
+    from service.budget import PeerBudgets
+    from service.config import ServerConfig
+    from service.transport import SluiceWebSocketProtocol
+    from tests.server import free_port
+
+    app = build_app(ServerConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_model_len=256, engine_process=False,
+                                 api_key="k", timeout_auth=0.5))
+    svc = app.state.service
+    svc.loop_budgets = budgets = PeerBudgets(clock=lambda: 0.0)
+    guard = HttpGuard(timeout_headers=10, timeout_body=30, timeout_send=30, max_connections=64, budgets=budgets)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=guard.protocol(),
+                                           ws=SluiceWebSocketProtocol, ws_per_message_deflate=False, log_config=None))
+    thread = threading.Thread(target=server.run, name="charged-upgrades", daemon=True)
+    thread.start()
+    url = f"ws://127.0.0.1:{port}/v1/ws"
+    try:
+        deadline = time.monotonic() + 180
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            while not (server.started and (await http.get("/health")).status_code == 200):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        budgets._by_peer.clear()  # (a full burst for what follows)
+        # (other clients than the refused upgrade's, whose budget will not refill: their closes are read)
+        accepted = await connect(url, additional_headers={"Authorization": "Bearer k"}, local_addr=("127.0.0.2", 0))
+        assert json.loads(await accepted.recv())["type"] == "ready"
+        silent = await connect(url, local_addr=("127.0.0.3", 0))  # (never says hello: closed at --timeout-auth)
+        budgets.charge("127.0.0.1", 0.0)
+        before = budgets._by_peer["127.0.0.1"].tokens
+
+        def slow_origin_check(*args: Any) -> bool:
+            started = time.perf_counter()
+            while time.perf_counter() - started < 0.05:
+                pass
+            return False
+
+        monkeypatch.setattr(service.ws, "origin_allowed", slow_origin_check)
+        with pytest.raises(InvalidStatus) as refused:
+            await connect(url, additional_headers={"Authorization": "Bearer k"})
+        assert refused.value.response.status_code == 403
+        spent = before - budgets._by_peer["127.0.0.1"].tokens
+        assert spent >= 0.05, f"a refused upgrade's 50 ms of handling charged its peer {spent * 1e3:.1f} ms"
+        await accepted.close()
+        with pytest.raises(ConnectionClosed):  # (an `unauthorized` frame, then the close)
+            async with asyncio.timeout(10):
+                while True:
+                    await silent.recv()
+        deadline = time.monotonic() + 10
+        while budgets._held:  # (the server lets go a moment after each close)
+            assert time.monotonic() < deadline, f"budgets still held: {budgets._held}"
+            await asyncio.sleep(0.05)
+    finally:
+        server.should_exit = True
+        await asyncio.to_thread(thread.join, 30)
