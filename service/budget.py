@@ -89,8 +89,8 @@ class Metered:
     for the engine -- `GET /metrics`, `/health`, a 401 or a 404, pipelined on one connection or each on a new one, or
     WebSocket upgrades refused -- ran the server's loop flat out, uncounted. Once the engine has a request (`stop`, by
     the handler that submits it), what it costs the loop follows its tokens, which the scheduler shares between
-    clients, and is not charged; a WebSocket's is stopped at its `ready`, and its messages' decoding is charged as
-    each one is read (service/ws.py)."""
+    clients, and is not charged; a WebSocket's is stopped once it is authenticated (by its upgrade's header, or its
+    `hello`), and its messages' decoding is charged as each one is read (service/ws.py)."""
 
     __slots__ = ("_coro", "_charge", "_step")
 

@@ -533,7 +533,7 @@ class SluiceWebSocketProtocol(_ChargedReads, WebSocketsSansIOProtocol):
         self._init_reads()
         app = self.app
 
-        def metered(scope: Any, receive: Any, send: Any) -> Metered:  # (until its `ready`, charged as its reads are)
+        def metered(scope: Any, receive: Any, send: Any) -> Metered:  # (until authenticated, charged as its reads are)
             scope[METER] = call = Metered(app(scope, receive, send), self._charge)
             return call
 
@@ -546,7 +546,7 @@ class SluiceWebSocketProtocol(_ChargedReads, WebSocketsSansIOProtocol):
             self.scope["extensions"][CHARGE_TO] = self.charge_to
 
     def charge_to(self, budget: LoopBudget) -> None:
-        """From now on this socket's reads, and its app's handling until `ready`, are charged to `budget`: its
+        """From now on this socket's reads, and its app's handling until authenticated, are charged to `budget`: its
         client's, shared by the client's every connection (service/budget.py)."""
         self.loop_budget = budget
 

@@ -94,6 +94,7 @@ class Connection:
         # NOTE: counted (in `connections` or `pending_auth`) before the first await, so a burst cannot overshoot
         if key is None or (token is not None and key_matches(token, key)):
             self.svc.connections.add(self, self.session.client)  # decided by the upgrade request: never waits
+            stop_metering(self.ws.scope)  # (authenticated: its handshake and `ready` are not the client's to pay for)
             await self.ws.accept()
         elif token is not None:
             await self.ws.accept()
