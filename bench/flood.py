@@ -1,8 +1,9 @@
 """flood: one WebSocket client floods 1 MB frames of 28,000 one-character messages; how fast does a neighbour stream?
 
 The neighbour is one greedy chat of `tokens` tokens on its own connection. The flooder (`bench/flooder.py`, a
-process of its own at niceness 19, from another address: an attacker's CPU is elsewhere) sends the next frame as soon as the last one
-is refused. Before the tokenizer thread and the loop budget, each such frame froze the engine thread ~0.7 s.
+process of its own at niceness 19, from another address: an attacker's CPU is elsewhere) sends the next frame as
+soon as the last one is refused. Before the tokenizer thread and the loop budget, each such frame froze the engine
+thread ~0.7 s.
 Rounds alternate alone / flooded; the targets are medians of same-round ratios.
 """
 from __future__ import annotations

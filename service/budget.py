@@ -19,7 +19,7 @@ from typing import Any
 
 SHARE = 0.1  # of the loop's time, per client, sustained
 BURST_S = 0.01  # loop seconds a client may spend at once before it is slowed
-METER = "sluice.meter"  # the ASGI scope key of an HTTP request's `Metered` (service/transport.py)
+METER = "sluice.meter"  # the ASGI scope key of an HTTP request's or a WebSocket's `Metered` (service/transport.py)
 
 
 class LoopBudget:

@@ -244,11 +244,11 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
                     "too_many_connections"))
                 self.transport.close()
                 return
-            # uvicorn arms its keep-alive timer only after a response: a connection that never sends a byte gets it too
+            # uvicorn arms its keep-alive timer only after a response: a connection never sending a byte gets it too
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)
             self._follow()
-        finally:  # (the connection's making, from its protocol's: a client opening one per request spent it uncharged)
+        finally:  # (its making, from its protocol's: a client opening one per request spent it uncharged)
             self._charge(time.perf_counter() - self._born)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -533,7 +533,7 @@ class SluiceWebSocketProtocol(_ChargedReads, WebSocketsSansIOProtocol):
         self._init_reads()
         app = self.app
 
-        def metered(scope: Any, receive: Any, send: Any) -> Metered:  # (until authenticated, charged as its reads are)
+        def metered(scope: Any, receive: Any, send: Any) -> Metered:  # (until authenticated, charged as reads are)
             scope[METER] = call = Metered(app(scope, receive, send), self._charge)
             return call
 

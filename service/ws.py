@@ -49,8 +49,8 @@ class Connection:
         self._writing = False  # the writer task is sending: everything goes through it until it waits again
         self._unsent: list[ServerMessage] = []  # taken from the session, turned back by the socket: sent first
         # the client's share of the loop (service/budget.py), for the socket's decoding and, under Sluice's server,
-        # its reads (their frames' parsing) and its handling until `ready`; every connection of the client charges
-        # the same one. Released by `websocket_endpoint`.
+        # its reads (their frames' parsing) and its handling until authenticated; every connection of the client
+        # charges the same one. Released by `websocket_endpoint`.
         self._budget = svc.loop_budgets.hold(self.session.client)
         if (charge_to := extensions.get(CHARGE_TO)) is not None:
             charge_to(self._budget)
