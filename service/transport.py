@@ -30,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.utils import get_client_addr
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
+from websockets.frames import Frame
 
 from service.budget import METER, LoopBudget, Metered, PeerBudgets
 from service.handle import client_key
@@ -209,9 +210,16 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
 
         def bounded_next_event() -> Any:
             event = next_event()
-            if isinstance(event, h11.Request) and _head_bytes(event) > limit:
-                log.info("%s: a request head of %d bytes, over %d: 400", self._peer, _head_bytes(event), limit)
-                raise h11.RemoteProtocolError(f"request head over {limit} bytes")
+            if isinstance(event, h11.Request):
+                if _head_bytes(event) > limit:
+                    log.info("%s: a request head of %d bytes, over %d: 400", self._peer, _head_bytes(event), limit)
+                    raise h11.RemoteProtocolError(f"request head over {limit} bytes")
+                if {b"content-length", b"transfer-encoding"} <= {name for name, _ in event.headers}:
+                    # RFC 9112 §6.3: a server must close the connection after such a request (h11 read its body by
+                    # Transfer-Encoding and kept the connection: what a proxy going by Content-Length took for the
+                    # body was a request here, smuggled past it). Refused: 400, closed.
+                    log.info("%s: a request with both Content-Length and Transfer-Encoding: 400", self._peer)
+                    raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding")
             return event
 
         self.conn.next_event = bounded_next_event  # type: ignore[method-assign]
@@ -613,6 +621,17 @@ class SluiceWebSocketProtocol(_ChargedReads, WebSocketsSansIOProtocol):
         self.close_timer = None
         self.transport.close()
         self._abort_unless_drained()
+
+    def handle_cont(self, event: Frame) -> None:
+        # a fragmented message goes into one buffer: uvicorn kept each fragment as a bytes object of its own, and a
+        # message of 2-byte fragments, its bytes within --max-message-bytes, held ~30 times as much memory
+        buffer = self.frames[0] if self.frames and isinstance(self.frames[0], bytearray) else bytearray(
+            b"".join(self.frames))
+        buffer += event.data
+        self.frames = [buffer]
+        if event.fin:
+            self.frames = [bytes(buffer)]
+            self.send_receive_event_to_app()
 
     def send_receive_event_to_app(self) -> None:
         if self.curr_msg_data_type == "text" and not self.close_sent:

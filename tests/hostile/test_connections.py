@@ -378,6 +378,21 @@ async def test_a_head_over_16_kib_is_refused_however_it_arrives(guarded: Server,
     await _hang_up(reader, writer)
 
 
+async def test_a_request_with_both_content_length_and_transfer_encoding_is_refused_and_closed(
+        guarded: Server) -> None:
+    """RFC 9112 §6.3: the server must close the connection after such a request. h11 read the body by its chunks and
+    kept the connection, and answered a `GET /health` sent after them, which a proxy going by Content-Length would have
+    taken for the body: a request smuggled past it. Now: 400, closed, nothing after it read."""
+    reader, writer = await _raw(guarded, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                                         b"content-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+                                         b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    try:
+        answered = await asyncio.wait_for(reader.read(), MARGIN)  # (to the end: the server closes)
+    finally:
+        writer.close()
+    assert answered.startswith(b"HTTP/1.1 400") and answered.count(b"HTTP/1.1 ") == 1, answered[:300]
+
+
 async def test_origin_allow_list_guards_http_too(guarded: Server) -> None:
     body = json.dumps({"model": "sluice-tiny-v1", "prompt": "hi", "max_tokens": 1})
     plain = {"content-type": "text/plain"}  # a "simple" cross-site request: browsers send it without preflight
@@ -682,6 +697,41 @@ async def test_tiny_frames_on_many_sockets_get_the_loop_share_of_one_client(floo
     floods = [_flood(flood_target, writer, chunk, answers=reader) for reader, writer in sockets]
     cpu, elapsed = (await asyncio.gather(*floods))[0]
     assert cpu < 0.4 * elapsed, f"the server spent {cpu:.2f} s of CPU in {elapsed:.2f} s on eight flooding sockets"
+
+
+def _rss_bytes(pid: int) -> int:
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", open(f"/proc/{pid}/status").read(), re.MULTILINE)[1]) << 10
+
+
+async def test_a_message_in_tiny_fragments_holds_about_its_bytes(flood_target: Server) -> None:
+    """A text message of 512 KiB (under --max-message-bytes) sent as 2-byte fragments and left unfinished: the server
+    holds about its bytes, not ~30 times them (uvicorn kept each fragment as a bytes object of its own: 29 MB a
+    socket for a message of 1 MiB). Measured at the pong to a ping sent behind the fragments: all parsed by then."""
+    reader, writer = await _small_window(flood_target)
+    writer.write(f"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                 f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+    before = _rss_bytes(flood_target.proc.pid)
+    fragments = 256 << 10
+    writer.write(bytes([0x01, 0x82]) + bytes(4) + b"[ ")  # a text frame, not the last of its message (masked zeros)
+    for _ in range(16):
+        writer.write((bytes([0x00, 0x82]) + bytes(4) + b"  ") * (fragments // 16))  # continuations
+        await writer.drain()
+    writer.write(bytes([0x89, 0x80]) + bytes(4))  # a ping
+    try:
+        async with asyncio.timeout(MARGIN * 12):  # (the fragments are parsed at the client's loop share)
+            while True:
+                first, size = await reader.readexactly(2)
+                if size in (126, 127):
+                    size = int.from_bytes(await reader.readexactly(2 if size == 126 else 8), "big")
+                await reader.readexactly(size)
+                if first == 0x8A:
+                    break
+        grown = _rss_bytes(flood_target.proc.pid) - before
+        assert grown < 4 * (2 * fragments), f"a message of {2 * fragments >> 10} KiB held unfinished: {grown >> 20} MB"
+    finally:
+        _reset(writer)
 
 
 async def test_a_body_of_tiny_chunks_gets_the_loop_share_of_its_peer(flood_target: Server) -> None:
