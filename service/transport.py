@@ -7,7 +7,8 @@ connection that has waited longest on its client (for a head, a body, or to read
 make room; only when every one is running a request does a new one get 503. The loop time its reads take is
 charged to its peer's budget (service/budget.py), as are its making and its end, and the app's handling of each
 request until the engine has it (`Metered`); a peer that has spent it is read no more, nor is its next pipelined
-request begun, for a while.
+request begun, for a while. A request with both Content-Length and Transfer-Encoding is refused (400, closed), and
+a target in absolute form (`GET http://host/path`) is routed by its path (RFC 9112 §6.3, §3.2.2).
 WebSocket (websockets-sansio): neither an upgrade refused with a denial response nor a text frame that is
 not UTF-8 is logged as an error, and each upgrade gets uvicorn's one log line, not websockets' own besides.
 The loop time spent on a socket's reads (parsing its frames, answering its pings) is charged to its client's
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 import sys
 import time
@@ -114,6 +116,7 @@ def _raw_response(status: int, message: str, code: str, type_: str | None = None
 
 _TCPI_BYTES_ACKED = slice(120, 128)  # where Linux's struct tcp_info has tcpi_bytes_acked (a u64, since 4.1)
 _REQUEST_ENDED = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)  # h11 parses no more of the client's until the response ends
+_ABSOLUTE_FORM = re.compile(rb"https?://[^/?#]*", re.IGNORECASE)  # a request target's scheme and authority
 READ_SLICE = 16 << 10  # bytes of a read parsed at once: at most ~20 ms of loop time, however tiny the frames
 
 
@@ -220,6 +223,11 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
                     # body was a request here, smuggled past it). Refused: 400, closed.
                     log.info("%s: a request with both Content-Length and Transfer-Encoding: 400", self._peer)
                     raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding")
+                if event.target[:1] != b"/" and (origin := _ABSOLUTE_FORM.match(event.target)):
+                    # RFC 9112 §3.2.2: a server must accept a target in absolute form; routed by its path
+                    path = event.target[origin.end():]
+                    event = h11.Request(method=event.method, target=path if path[:1] == b"/" else b"/" + path,
+                                        headers=event.headers, http_version=event.http_version)
             return event
 
         self.conn.next_event = bounded_next_event  # type: ignore[method-assign]

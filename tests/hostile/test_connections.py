@@ -393,6 +393,20 @@ async def test_a_request_with_both_content_length_and_transfer_encoding_is_refus
     assert answered.startswith(b"HTTP/1.1 400") and answered.count(b"HTTP/1.1 ") == 1, answered[:300]
 
 
+@pytest.mark.parametrize("target", [b"http://x/health", b"HTTP://127.0.0.1:1/health?probe=1", b"http://x"])
+async def test_a_target_in_absolute_form_is_routed_by_its_path(guarded: Server, target: bytes) -> None:
+    """RFC 9112 §3.2.2: a server must accept a request target in absolute form (`GET http://host/health`); it was a
+    404 (routed by the whole URI). A bare authority is the root."""
+    reader, writer = await _raw(guarded, b"GET " + target + b" HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    try:
+        answered = await asyncio.wait_for(reader.read(), MARGIN)
+    finally:
+        writer.close()
+    assert answered.startswith(b"HTTP/1.1 200 OK"), answered[:300]
+    head = answered.split(b"\r\n\r\n", 1)[0].lower()
+    assert (b"content-type: application/json" in head) == (b"health" in target), head  # (/health's, or the UI's page)
+
+
 async def test_origin_allow_list_guards_http_too(guarded: Server) -> None:
     body = json.dumps({"model": "sluice-tiny-v1", "prompt": "hi", "max_tokens": 1})
     plain = {"content-type": "text/plain"}  # a "simple" cross-site request: browsers send it without preflight
