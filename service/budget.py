@@ -135,6 +135,17 @@ class Metered:
             self._coro = self._charge = None  # type: ignore[assignment]
 
 
+def metered(app: Callable[..., Any], charge: Callable[[float], object]) -> Callable[..., Metered]:
+    """`app` (an ASGI app), each of its calls awaited as a `Metered` charged with `charge`, which the call's scope
+    holds under METER (`stop_metering`)."""
+
+    def call(scope: dict[str, Any], receive: Any, send: Any) -> Metered:
+        scope[METER] = meter = Metered(app(scope, receive, send), charge)
+        return meter
+
+    return call
+
+
 def stop_metering(scope: dict[str, Any]) -> None:
     """The engine has the request of `scope`: its loop time is no longer charged to its peer (`Metered`)."""
     if (meter := scope.get(METER)) is not None:

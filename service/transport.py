@@ -34,7 +34,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.exceptions import InvalidState
 from websockets.frames import Frame
 
-from service.budget import METER, LoopBudget, Metered, PeerBudgets
+from service.budget import METER, LoopBudget, PeerBudgets, metered
 from service.handle import client_key
 from service.openai_api import error_response
 
@@ -232,13 +232,7 @@ class GuardedH11Protocol(_ChargedReads, H11Protocol):
 
         self.conn.next_event = bounded_next_event  # type: ignore[method-assign]
         self._done = False  # upgraded, refused or closed by the guard: nothing more to follow
-        app = self.app
-
-        def metered(scope: Any, receive: Any, send: Any) -> Metered:  # (its time charged to the peer's budget)
-            scope[METER] = call = Metered(app(scope, receive, send), self._charge)
-            return call
-
-        self.app = metered
+        self.app = metered(self.app, self._charge)  # (its time charged to the peer's budget)
 
     @property
     def _peer(self) -> str:
@@ -547,13 +541,7 @@ class SluiceWebSocketProtocol(_ChargedReads, WebSocketsSansIOProtocol):
         # then its client's, once the app names it (`charge_to`)
         self.loop_budget = LoopBudget()
         self._init_reads()
-        app = self.app
-
-        def metered(scope: Any, receive: Any, send: Any) -> Metered:  # (until authenticated, charged as reads are)
-            scope[METER] = call = Metered(app(scope, receive, send), self._charge)
-            return call
-
-        self.app = metered
+        self.app = metered(self.app, self._charge)  # (until authenticated, charged as its reads are)
 
     def handle_connect(self, event: h11.Request) -> None:
         super().handle_connect(event)
