@@ -236,6 +236,7 @@ class LLMEngine:
             stats["num_steps"], stats["prompt_tokens_computed"], stats["generation_tokens"])
         self.scheduler.num_preemptions = stats["num_preemptions"]
         self.scheduler.num_fair_preemptions = stats["fair_preemptions"]
+        self.scheduler.num_deferred_decodes = stats["deferred_decodes"]
         self.scheduler.pressure.go_on_from(stats["num_preemptions"], stats["scheduler_mode_changes"])
         for counter in ("prefix_cache_queries", "prefix_cache_hits", "host_cache_hits", "host_blocks_offloaded",
                         "host_blocks_loaded"):
@@ -963,6 +964,7 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "fair_preemptions": self.scheduler.num_fair_preemptions,
+            "deferred_decodes": self.scheduler.num_deferred_decodes,
             "prompt_budget": self.scheduler.prompt_budget,
             "num_host_kv_blocks": bm.host.num_slots if bm.host else 0,
             "num_free_host_kv_blocks": len(bm.host.free) if bm.host else 0,

@@ -12,7 +12,10 @@ first served. With more, clients share the seats: `waiting` is taken in order of
 client would then have (`_admission_order`), and under `mixed` a client's waiting request takes a seat, or the KV
 blocks of its first chunk, from a client with two or more running requests more (`_rebalance`: its youngest
 is preempted). So one client that fills every seat with long requests delays another's first token by a step, not
-until its own requests end.
+until its own requests end. With an inter-token latency target (`itl_slo_ms`), clients share a step's decodes too:
+when the decodes that fit the target are fewer than those running, `decode_shares` splits them (a client with few
+streams decodes all of them every step; one with more than its share has them take turns, `_deferred_decodes`), so
+one client's many streams (a request with `n=128`) do not slow every other client's.
 """
 from __future__ import annotations
 
@@ -106,6 +109,8 @@ class Scheduler:
         self.whole_prompt_budget = max(config.max_num_batched_tokens, max_model_len)
         self.num_preemptions = 0  # for lack of KV blocks: the pressure ladder's signal
         self.num_fair_preemptions = 0  # to give another client its share (`_rebalance`)
+        self.num_deferred_decodes = 0  # decodes a step left for a later one, for another client's share (itl_slo_ms)
+        self.turns: dict[Hashable, int] = {}  # a client over its share of decodes: where its next step's decodes start
         self.clients: Counter[Hashable] = Counter()  # unfinished (waiting or running) requests per client
         self.granted: Request | None = None  # the waiting request `_rebalance` took a seat for: the seat is its
         # prompt tokens one step computes for requests that want their prompt's logprobs: a row of logits over the
@@ -134,7 +139,8 @@ class Scheduler:
         policy = self.config.scheduling
         if policy == "mixed":
             self._rebalance()
-            budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts, graphs)
+            budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts, graphs,
+                                            self._deferred_decodes())
             if self.config.itl_slo_ms is not None:  # the prompt tokens a step can add and still meet the target
                 drafting = [r for r in batch.reqs if r.draft]
                 extra = 0.0
@@ -169,17 +175,27 @@ class Scheduler:
 
     # -- building blocks -------------------------------------------------------------------
 
-    def _schedule_decodes(self, batch: Batch, budget: int, drafts: bool, graphs: StepGraphs | None) -> int:
+    def _decodes(self, req: Request) -> bool:
+        """Does a running request take a decode this step?"""
+        if req.status is not Status.RUNNING or req.is_prefilling:
+            return False  # preempted meanwhile, or mid-prompt
+        if req.num_placeholders and req.reached_length(self.max_model_len):
+            return False  # its token in the running step (async scheduling) ends it: nothing more to compute
+        # its grammar's next mask is being made off the step (engine/structured.py)
+        return req.matcher is None or not req.waits_for_mask
+
+    def _schedule_decodes(self, batch: Batch, budget: int, drafts: bool, graphs: StepGraphs | None,
+                          deferred: set[Request] | frozenset[Request] = frozenset()) -> int:
         first = len(batch)
-        for req in list(self.running):
+        seats = self._seats()
+        # NOTE: with more clients, those holding fewer seats first, so a client's few streams take their blocks
+        # before another's many, whose own streams are then the ones `_victim` finds outside the batch
+        order = list(self.running) if seats is None else sorted(self.running, key=lambda r: seats[r.client])
+        for req in order:
             if budget <= 0 or len(batch) >= self.config.max_num_seqs:
                 break
-            if req.status is not Status.RUNNING or req.is_prefilling:
-                continue  # preempted meanwhile, or mid-prompt
-            if req.num_placeholders and req.reached_length(self.max_model_len):
-                continue  # its token in the running step (async scheduling) ends it: nothing more to compute
-            if req.matcher is not None and req.waits_for_mask:
-                continue  # its grammar's next mask is being made off the step (engine/structured.py)
+            if not self._decodes(req) or req in deferred:
+                continue
             req.draft = []  # _schedule_drafts may give it one
             if self._allocate_or_preempt(req, 1, batch):
                 batch.add(req, 1)
@@ -191,6 +207,35 @@ class Scheduler:
                 and self.spec.may_pay(decodes, graphs)):
             budget = self._schedule_drafts(batch, first, budget, graphs)
         return budget
+
+    def _deferred_decodes(self) -> set[Request]:
+        """`mixed` with `itl_slo_ms`: the running requests whose decode waits for a later step, so that every client's
+        share of the decodes that fit the target (`StepCost.decodes_within`) runs in this one (`decode_shares`). A
+        client over its share has its streams take turns: each step's start where the last one's left off (`turns`).
+        Empty with one client, while everything fits, or where sharing would leave no client all its decodes."""
+        if self.config.itl_slo_ms is None or len(self.clients) < 2:
+            return set()
+        capacity = self.step_cost.decodes_within(self.config.itl_slo_ms / 1e3)
+        if capacity is None or capacity >= len(self.running):
+            self.turns.clear()
+            return set()
+        by_client: dict[Hashable, list[Request]] = {}
+        for req in self.running:
+            if self._decodes(req):
+                by_client.setdefault(req.client, []).append(req)
+        shares = decode_shares({c: len(reqs) for c, reqs in by_client.items()}, int(capacity))
+        turns, self.turns = self.turns, {}
+        if shares is None:
+            return set()
+        deferred: set[Request] = set()
+        for client, reqs in by_client.items():
+            n, share = len(reqs), shares[client]
+            if share < n:
+                start = turns.get(client, 0) % n
+                deferred.update(reqs[(start + i) % n] for i in range(share, n))
+                self.turns[client] = (start + share) % n
+        self.num_deferred_decodes += len(deferred)
+        return deferred
 
     def _schedule_drafts(self, batch: Batch, first: int, budget: int, graphs: StepGraphs | None) -> int:
         """Speculative decoding (engine/spec.py): the decodes batch[first:] each add their draft, from the budget and
@@ -402,13 +447,28 @@ class Scheduler:
         return True
 
     def _victim(self, req: Request, batch: Batch) -> Request | None:
-        """The most recently admitted running request outside `batch`, if it was admitted after `req`."""
+        """The running request outside `batch` to preempt for `req`'s blocks. With one client, the most recently
+        admitted, if it was admitted after `req` (never an older request for a younger one). With more, the most
+        recently admitted request of the client holding the most seats among those a client may take from (as in
+        `_rebalance`): a request admitted after `req` unless its client holds two or more seats fewer than `req`'s,
+        and any request of a client holding two or more more. So one client's many streams grow into each other's
+        blocks, not another client's few."""
+        seats = self._seats()
+        if seats is None:
+            for r in reversed(self.running):
+                if r is req:
+                    return None  # never preempt an older request for a younger one
+                if r not in batch:
+                    return r
+            return None
+        mine, best, after = seats[req.client], None, True
         for r in reversed(self.running):
             if r is req:
-                return None  # never preempt an older request for a younger one
-            if r not in batch:
-                return r
-        return None
+                after = False
+            elif r not in batch and (seats[r.client] >= mine + 2 or (after and seats[r.client] + 2 > mine)):
+                if best is None or seats[r.client] > seats[best.client]:
+                    best = r
+        return best
 
     def unadmit(self, batch: Batch) -> None:
         """Puts the requests `batch` admitted back at the front of the waiting queue, in their order, their blocks
@@ -458,6 +518,29 @@ class Scheduler:
             req.mask.cancel()  # (its grammar's next mask, if still queued: never made, others' go first)
         if not self.has_unfinished():
             self.pressure.settle()
+
+
+def decode_shares(demands: dict[Hashable, int], capacity: int) -> dict[Hashable, int] | None:
+    """A max-min fair split of `capacity` decodes between clients that want `demands[client]` each: a client wanting
+    no more than an equal split of what the smaller ones leave gets all it wants, the others split the rest equally
+    (one more each, those wanting least first, while some is left). None where all of it fits, or where a split would
+    leave no client all it wants (every stream would be slower than the target either way)."""
+    if sum(demands.values()) <= capacity:
+        return None
+    order = sorted(demands, key=demands.__getitem__)  # (stable: ties in `demands`' order)
+    left = capacity
+    served = 0
+    while demands[order[served]] * (len(order) - served) <= left:  # (ends: not everything fits)
+        left -= demands[order[served]]
+        served += 1
+    if not served:
+        return None
+    shares = {client: demands[client] for client in order[:served]}
+    over = order[served:]
+    share, extra = divmod(left, len(over))  # share >= the largest demand served: every client decodes at least one
+    for i, client in enumerate(over):
+        shares[client] = share + (i < extra)
+    return shares
 
 
 PROMPT_LOGPROBS_BYTES = 256 << 20  # a step's logits for prompt logprobs, in fp32

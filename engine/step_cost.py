@@ -79,6 +79,17 @@ class StepCost(LinearFit):
             n = max(min(n, eager_from - 1), eager if eager >= eager_from else -1)
         return int(min(cap, max(floor, n)))
 
+    def decodes_within(self, target_s: float) -> float | None:
+        """The most decodes a step of decodes alone may hold and still take at most HEADROOM * `target_s` (infinite
+        while decodes cost nothing apart; 0 where not even the step's fixed cost fits); None before the fit."""
+        if self.coef is None:
+            return None
+        c0, c1 = self.coef[0], self.coef[1]
+        room = HEADROOM * target_s - c0
+        if room <= 0:
+            return 0.0
+        return room / c1 if c1 > 0 else math.inf
+
     def _tokens(self, room: float, context: int) -> float:
         """The most prompt tokens, as one chunk after `context` computed ones, whose cost fits in `room` seconds
         (0 where none does; infinite where they cost nothing)."""

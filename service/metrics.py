@@ -21,6 +21,8 @@ _ENGINE_COUNTERS = {
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "num_preemptions": "Requests preempted for lack of KV blocks.",
     "fair_preemptions": "Requests preempted to give another client its share of the running seats or KV blocks.",
+    "deferred_decodes": "Decodes left for a later step to give another client its share of a step that meets "
+                        "--itl-slo-ms.",
     "num_steps": "Engine steps run.",
     "prompt_tokens_computed": "Prompt tokens run through the model (cache misses).",
     "generation_tokens": "Tokens generated.",

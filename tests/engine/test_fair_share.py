@@ -168,3 +168,26 @@ def test_the_baseline_policies_do_not_preempt_for_a_share():
     sched.add(_req("b"))
     fake_step(sched, 1024)
     assert sched.num_fair_preemptions == 0 and {r.client for r in sched.running} == {"a"}
+
+
+@pytest.mark.parametrize("policy", ["mixed", "prefill_first"])
+def test_under_kv_pressure_a_client_with_many_streams_gives_up_its_own(policy):
+    """a's eight long streams outgrow the KV pool; b's one stream came last, so it is the youngest running request:
+    the blocks the streams grow into come from a's other streams (a holds two or more more seats than b), never
+    from b's, which decodes every step to its end. Everything still ends."""
+    sched = make(max_model_len=512, num_blocks=48, block_size=16, max_num_seqs=16, scheduling=policy)
+    hog = [_req("a", prompt_len=8, max_tokens=150) for _ in range(8)]  # 10 blocks each at the end: 80
+    for r in hog:
+        sched.add(r)
+    for _ in range(3):
+        fake_step(sched, 512)
+    b = _req("b", prompt_len=8, max_tokens=120)
+    sched.add(b)
+    while b.status is not Status.RUNNING:
+        fake_step(sched, 512)
+    while b.finish_reason is None:
+        rec = fake_step(sched, 512)
+        assert b in rec.reqs, f"b waited a step (preemptions so far: {sched.num_preemptions})"
+    assert sched.num_preemptions > 0, "the pool ran out while b ran"
+    run_until_done(sched, 512)
+    assert all(r.num_output_tokens == 150 for r in hog)

@@ -1,0 +1,122 @@
+"""With an inter-token latency target, clients share a step's decodes (engine/scheduler.py `decode_shares`,
+`_deferred_decodes`): one client's many streams (a request with `n=128`) take turns instead of slowing every other
+client's stream. Without a model, as in test_fair_share.py; then through an engine, whose tokens do not change."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.scheduler import decode_shares
+from engine.step_cost import HEADROOM
+from tests.engine.test_fair_share import _req
+from tests.engine.test_scheduler import fake_step, make
+from tests.engine.test_step_cost import _fed
+
+TARGET_MS = 100.0
+
+
+def test_shares_are_max_min_fair() -> None:
+    assert decode_shares({"a": 3, "b": 4}, 7) is None, "everything fits: nobody waits"
+    assert decode_shares({"b": 1, "a": 64}, 35) == {"b": 1, "a": 34}
+    assert decode_shares({"a": 64, "b": 2, "c": 20, "d": 5}, 30) == {"b": 2, "d": 5, "c": 12, "a": 11}
+    assert decode_shares({"a": 20, "b": 20}, 30) is None, "equal demands: a split leaves no client all it wants"
+    assert decode_shares({"a": 1, "b": 1, "c": 9}, 1) is None, "fewer slots than clients"
+    rng = random.Random(0)
+    for _ in range(2000):
+        demands = {c: rng.randint(1, 40) for c in "abcdefg"[:rng.randint(2, 7)]}
+        capacity = rng.randint(1, sum(demands.values()) + 5)
+        shares = decode_shares(demands, capacity)
+        if shares is None:
+            assert sum(demands.values()) <= capacity or capacity < len(demands) * min(demands.values())
+            continue
+        assert sum(shares.values()) == capacity and shares.keys() == demands.keys()
+        short = [c for c in demands if shares[c] < demands[c]]
+        assert short and len(short) < len(demands) and all(1 <= shares[c] <= demands[c] for c in demands)
+        # max-min: a client short of its demand has at least what any other gets, less one
+        assert all(shares[c] >= max(shares.values()) - 1 for c in short)
+
+
+def _sched(**kw):
+    sched = make(max_num_seqs=256, num_blocks=2048, itl_slo_ms=TARGET_MS, **kw)
+    sched.step_cost = _fed(0.010, 0.002, 0.00001)  # a step: 10 ms, and 2 ms a decode
+    return sched
+
+
+def test_one_clients_many_streams_take_turns_and_anothers_decodes_every_step() -> None:
+    sched = _sched()
+    hog = [_req("a", max_tokens=40) for _ in range(64)]
+    for r in hog:
+        sched.add(r)
+    while any(r.is_prefilling or not r.num_computed_tokens for r in hog):
+        fake_step(sched, 1024)
+    rec = fake_step(sched, 1024)
+    assert len(rec.reqs) == 64 and sched.num_deferred_decodes == 0, "one client: nothing to share, all decode"
+    b = _req("b", max_tokens=30)
+    sched.add(b)
+    fake_step(sched, 1024)  # (b's prompt)
+    step = 0
+    last = {r: step for r in hog}
+    capacity = int(sched.step_cost.decodes_within(TARGET_MS / 1e3))
+    assert capacity == pytest.approx((HEADROOM * TARGET_MS / 1e3 - 0.010) / 0.002, abs=1)  # (35)
+    while b.finish_reason is None:
+        rec = fake_step(sched, 1024)
+        step += 1
+        assert b in rec.reqs, "b decodes every step"
+        assert len(rec.reqs) == capacity, "the step holds what fits the target"
+        for r in rec.reqs:
+            if r is not b:
+                assert step - last[r] <= 2, "a's streams take turns: none waits more than a step"
+                last[r] = step
+    assert b.num_output_tokens == 30 and sched.num_deferred_decodes > 0
+    while sched.has_unfinished():
+        fake_step(sched, 1024)
+    assert all(r.num_output_tokens == 40 for r in hog), "nothing deferred is lost"
+
+
+def test_no_sharing_without_a_target_or_a_fitted_model() -> None:
+    for sched in (make(max_num_seqs=256, num_blocks=2048), make(max_num_seqs=256, num_blocks=2048, itl_slo_ms=1.0)):
+        reqs = [_req("a", max_tokens=10) for _ in range(40)] + [_req("b", max_tokens=10)]
+        for r in reqs:
+            sched.add(r)
+        while sched.has_unfinished():
+            fake_step(sched, 1024)
+        assert sched.num_deferred_decodes == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "async-scheduling"])
+def test_an_engine_sharing_decodes_gives_the_same_tokens(tiny_model_dir, ahead) -> None:
+    """Through the model: a step-cost model that fits 5 decodes to the target, one client with 8 streams and
+    another with 1 (seeded top-p and greedy). The second client's stream decodes every step, the first's take turns,
+    and every request's tokens are what an engine without a target gives."""
+    prompts = [[3 + i, 7, 11 + i, 2] for i in range(9)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.8, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(9)]
+
+    def run(target: float | None) -> tuple[dict[str, list[int]], dict[str, int], LLMEngine]:
+        eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128,
+                                     itl_slo_ms=target, async_scheduling=ahead))
+        if target is not None:
+            eng.scheduler.step_cost = _fed(0.010, 0.010, 0.00001)  # (0.08 - 0.01) / 0.01: 7 decodes fit
+            eng.scheduler.step_cost.observe = lambda *args: None  # keep the known model
+        got: dict[str, list[int]] = {}
+        done: dict[str, int] = {}  # the step a request's last token came out at
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            eng.add_request(f"r{i}", prompt, p, client="b" if i == 8 else "a")
+        step = 0
+        while eng.has_unfinished():
+            step += 1
+            for out in eng.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    done[out.request_id] = step
+        return got, done, eng
+
+    plain, before, _ = run(None)
+    shared, after, eng = run(100.0)
+    assert shared == plain
+    assert eng.stats()["deferred_decodes"] > 0
+    assert after["r8"] == before["r8"], "b decoded every step"
+    ends = [after[f"r{i}"] for i in range(8)]
+    assert min(ends) > before["r0"] and max(ends) - min(ends) <= 1, "a's streams took turns, each its share"
