@@ -1,5 +1,5 @@
-"""CLI: `python -m bench WORKLOAD... [--quick] [--model DIR]`; WORKLOAD is offline, stall, prefix, serve, flood, replay,
-tiers, restart, evict, kvquant, host, spec, attention, grammar or all.
+"""CLI: `python -m bench WORKLOAD... [--quick] [--model DIR]`; WORKLOAD is offline, stall, neighbour, prefix, serve, flood,
+replay, tiers, restart, evict, kvquant, host, spec, attention, grammar or all.
 
 The thread environment is fixed here, before torch is imported, so every system (and the server
 subprocess of `serve`) runs with the same intra-op threads and OpenMP wait policy.
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOADS = ("offline", "stall", "prefix", "serve", "flood", "replay", "tiers", "restart", "evict", "kvquant", "host", "spec",
+WORKLOADS = ("offline", "stall", "neighbour", "prefix", "serve", "flood", "replay", "tiers", "restart", "evict", "kvquant", "host", "spec",
              "attention", "grammar")
 
 

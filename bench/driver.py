@@ -7,7 +7,7 @@ arrival (its scheduled time, even when the engine was busy in a step then) to it
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -24,6 +24,7 @@ class Req:
     max_tokens: int
     at: float = 0.0  # arrival, seconds after the run starts
     params: SamplingParams | None = None  # default: `sampling(max_tokens)`, greedy to the end
+    client: Hashable = None  # who asks (a server's peer address): the scheduler shares the engine between clients
 
 
 def poisson(tag: str, n: int, rate: float | None, rng, prompt: Callable[[int], list[int]], max_tokens: int) -> list[Req]:
@@ -85,7 +86,7 @@ class EngineSystem:
 
 
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps",
-             "prompt_tokens_computed", "generation_tokens", "host_cache_hits", "host_copy_seconds")
+             "prompt_tokens_computed", "generation_tokens", "host_cache_hits", "host_copy_seconds", "deferred_decodes")
 
 
 def calibrate_capacity(system: EngineSystem, warmup: list[Req], calibration: list[Req],
@@ -115,7 +116,7 @@ def drive(eng: LLMEngine, reqs: list[Req], desc: str, progress: bool = True,
         while i < len(pending) and t0 + pending[i].at <= now:
             r = pending[i]
             tr.arrive(r, t0 + r.at)
-            eng.add_request(r.rid, r.prompt, r.params or sampling(r.max_tokens))
+            eng.add_request(r.rid, r.prompt, r.params or sampling(r.max_tokens), client=r.client)
             i += 1
         if not eng.has_unfinished():
             time.sleep(max(0.0, t0 + pending[i].at - time.perf_counter()))
@@ -133,7 +134,7 @@ def drive(eng: LLMEngine, reqs: list[Req], desc: str, progress: bool = True,
         if on_step is not None:
             for r in on_step(tr, t):
                 tr.arrive(r, t)
-                eng.add_request(r.rid, r.prompt, r.params or sampling(r.max_tokens))
+                eng.add_request(r.rid, r.prompt, r.params or sampling(r.max_tokens), client=r.client)
                 bar.total += r.max_tokens
     tr.end = time.perf_counter()
     bar.close()
