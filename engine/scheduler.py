@@ -110,7 +110,9 @@ class Scheduler:
         self.num_preemptions = 0  # for lack of KV blocks: the pressure ladder's signal
         self.num_fair_preemptions = 0  # to give another client its share (`_rebalance`)
         self.num_deferred_decodes = 0  # decodes a step left for a later one, for another client's share (itl_slo_ms)
-        self.turns: dict[Hashable, int] = {}  # a client over its share of decodes: where its next step's decodes start
+        # a client over its share of decodes: its running requests, next to decode first (`_deferred_decodes`)
+        self.turns: dict[Hashable, OrderedDict[Request, None]] = {}
+        self.num_shared_steps = 0  # steps whose decodes were shared: whose turn an uneven split's extra decode is
         self.clients: Counter[Hashable] = Counter()  # unfinished (waiting or running) requests per client
         self.granted: Request | None = None  # the waiting request `_rebalance` took a seat for: the seat is its
         # prompt tokens one step computes for requests that want their prompt's logprobs: a row of logits over the
@@ -139,8 +141,9 @@ class Scheduler:
         policy = self.config.scheduling
         if policy == "mixed":
             self._rebalance()
-            budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts, graphs,
-                                            self._deferred_decodes())
+            deferred = self._deferred_decodes()  # (drafts would take time the target left to the deferred decodes)
+            budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts and not deferred,
+                                            graphs, deferred)
             if self.config.itl_slo_ms is not None:  # the prompt tokens a step can add and still meet the target
                 drafting = [r for r in batch.reqs if r.draft]
                 extra = 0.0
@@ -211,8 +214,9 @@ class Scheduler:
     def _deferred_decodes(self) -> set[Request]:
         """`mixed` with `itl_slo_ms`: the running requests whose decode waits for a later step, so that every client's
         share of the decodes that fit the target (`StepCost.decodes_within`) runs in this one (`decode_shares`). A
-        client over its share has its streams take turns: each step's start where the last one's left off (`turns`).
-        Empty with one client, while everything fits, or where sharing would leave no client all its decodes."""
+        client over its share has its streams take turns (`turns`: a queue of its running requests, new ones at its
+        back; those that decode go to its back, one that cannot decode this step keeps its place). Empty with one
+        client, while everything fits, or where sharing would leave no client all its decodes."""
         if self.config.itl_slo_ms is None or len(self.clients) < 2:
             return set()
         capacity = self.step_cost.decodes_within(self.config.itl_slo_ms / 1e3)
@@ -223,17 +227,26 @@ class Scheduler:
         for req in self.running:
             if self._decodes(req):
                 by_client.setdefault(req.client, []).append(req)
-        shares = decode_shares({c: len(reqs) for c, reqs in by_client.items()}, int(capacity))
+        shares = decode_shares({c: len(reqs) for c, reqs in by_client.items()}, int(capacity), self.num_shared_steps)
         turns, self.turns = self.turns, {}
         if shares is None:
             return set()
+        self.num_shared_steps += 1
         deferred: set[Request] = set()
         for client, reqs in by_client.items():
-            n, share = len(reqs), shares[client]
-            if share < n:
-                start = turns.get(client, 0) % n
-                deferred.update(reqs[(start + i) % n] for i in range(share, n))
-                self.turns[client] = (start + share) % n
+            if shares[client] >= len(reqs):
+                continue
+            queue = turns.get(client) or OrderedDict()
+            for req in [r for r in queue if r.status is not Status.RUNNING]:
+                del queue[req]  # (ended or preempted)
+            for req in reqs:
+                queue.setdefault(req, None)  # (a newcomer: last)
+            now = set(reqs)
+            chosen = [r for r in queue if r in now][:shares[client]]
+            for req in chosen:
+                queue.move_to_end(req)
+            deferred.update(now.difference(chosen))
+            self.turns[client] = queue
         self.num_deferred_decodes += len(deferred)
         return deferred
 
@@ -449,10 +462,11 @@ class Scheduler:
     def _victim(self, req: Request, batch: Batch) -> Request | None:
         """The running request outside `batch` to preempt for `req`'s blocks. With one client, the most recently
         admitted, if it was admitted after `req` (never an older request for a younger one). With more, the most
-        recently admitted request of the client holding the most seats among those a client may take from (as in
-        `_rebalance`): a request admitted after `req` unless its client holds two or more seats fewer than `req`'s,
-        and any request of a client holding two or more more. So one client's many streams grow into each other's
-        blocks, not another client's few."""
+        recently admitted request of the client holding the most seats among those a client may take from: a request
+        admitted after `req` whose client holds as many seats as `req`'s or more, and any request of a client holding
+        two or more more (as in `_rebalance`; either way the victim's client is left at most one seat short of
+        `req`'s, so it never takes the block back). So one client's many streams grow into each other's blocks, not
+        another client's few."""
         seats = self._seats()
         if seats is None:
             for r in reversed(self.running):
@@ -465,7 +479,7 @@ class Scheduler:
         for r in reversed(self.running):
             if r is req:
                 after = False
-            elif r not in batch and (seats[r.client] >= mine + 2 or (after and seats[r.client] + 2 > mine)):
+            elif r not in batch and (seats[r.client] >= mine + 2 or (after and seats[r.client] >= mine)):
                 if best is None or seats[r.client] > seats[best.client]:
                     best = r
         return best
@@ -520,11 +534,12 @@ class Scheduler:
             self.pressure.settle()
 
 
-def decode_shares(demands: dict[Hashable, int], capacity: int) -> dict[Hashable, int] | None:
+def decode_shares(demands: dict[Hashable, int], capacity: int, turn: int = 0) -> dict[Hashable, int] | None:
     """A max-min fair split of `capacity` decodes between clients that want `demands[client]` each: a client wanting
     no more than an equal split of what the smaller ones leave gets all it wants, the others split the rest equally
-    (one more each, those wanting least first, while some is left). None where all of it fits, or where a split would
-    leave no client all it wants (every stream would be slower than the target either way)."""
+    (what does not split evenly, one more each to as many of them, from the `turn`-th on: a caller that counts its
+    steps hands the extra decodes round). None where all of it fits, or where a split would leave no client all it
+    wants (every stream would be slower than the target either way)."""
     if sum(demands.values()) <= capacity:
         return None
     order = sorted(demands, key=demands.__getitem__)  # (stable: ties in `demands`' order)
@@ -539,7 +554,7 @@ def decode_shares(demands: dict[Hashable, int], capacity: int) -> dict[Hashable,
     over = order[served:]
     share, extra = divmod(left, len(over))  # share >= the largest demand served: every client decodes at least one
     for i, client in enumerate(over):
-        shares[client] = share + (i < extra)
+        shares[client] = share + ((i - turn) % len(over) < extra)
     return shares
 
 

@@ -4,11 +4,12 @@ client's stream. Without a model, as in test_fair_share.py; then through an engi
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.scheduler import decode_shares
+from engine.scheduler import Batch, decode_shares
 from engine.step_cost import HEADROOM
 from tests.engine.test_fair_share import _req
 from tests.engine.test_scheduler import fake_step, make
@@ -120,3 +121,91 @@ def test_an_engine_sharing_decodes_gives_the_same_tokens(tiny_model_dir, ahead) 
     assert after["r8"] == before["r8"], "b decoded every step"
     ends = [after[f"r{i}"] for i in range(8)]
     assert min(ends) > before["r0"] and max(ends) - min(ends) <= 1, "a's streams took turns, each its share"
+
+
+def _capacity_2() -> object:
+    sched = make(max_num_seqs=16, num_blocks=256, itl_slo_ms=TARGET_MS)
+    sched.step_cost = _fed(0.010, 0.030, 0.00001)  # (0.08 - 0.01) / 0.03: 2 decodes fit the target
+    return sched
+
+
+def test_turns_reach_every_stream_when_one_cannot_decode_every_step() -> None:
+    """a's stream m cannot decode every other step (as a stream whose grammar's masks are slow, under async
+    scheduling); b's chat takes one of the two decodes a step fits, a's three streams the other in turn. Each of a's
+    streams gets a third of the turns: when the turns went by position in the list of those decoding now, that list
+    changed every other step and x never decoded while m ran (found by a review)."""
+    sched = _capacity_2()
+    m, x, y = (_req("a", max_tokens=60) for _ in range(3))
+    b = _req("b", max_tokens=200)
+    for r in (m, x, y, b):
+        sched.add(r)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in (m, x, y, b)):
+        fake_step(sched, 1024)
+    decodes, waits = sched._decodes, [False]
+    sched._decodes = lambda r: decodes(r) and not (r is m and waits[0])
+    got = {r: 0 for r in (m, x, y, b)}
+    for _ in range(42):
+        rec = fake_step(sched, 1024)
+        for r in rec.reqs:
+            got[r] += 1
+        waits[0] = m in rec.reqs  # its next mask is made after a step that decoded it
+    assert got[b] == 42 and all(12 <= got[r] <= 16 for r in (m, x, y)), got
+
+
+def test_an_uneven_split_hands_its_extra_decode_round() -> None:
+    """Four decodes a step for b (one stream), a and c (three each): b gets one, a and c three in two steps between
+    them; the extra goes to each in turn, not always to the one ranked first."""
+    sched = make(max_num_seqs=16, num_blocks=512, itl_slo_ms=TARGET_MS)
+    sched.step_cost = _fed(0.010, 0.0175, 0.00001)  # (0.08 - 0.01) / 0.0175: 4 decodes fit
+    assert decode_shares({"b": 1, "a": 3, "c": 3}, 4, turn=0) == {"b": 1, "a": 2, "c": 1}
+    assert decode_shares({"b": 1, "a": 3, "c": 3}, 4, turn=1) == {"b": 1, "a": 1, "c": 2}
+    reqs = [_req("b", max_tokens=400)] + [_req(c, max_tokens=400) for c in "aaaccc"]
+    for r in reqs:
+        sched.add(r)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+        fake_step(sched, 1024)
+    got = Counter()
+    for _ in range(300):
+        got.update(r.client for r in fake_step(sched, 1024).reqs)
+    assert got == {"b": 300, "a": 450, "c": 450}
+
+
+def test_a_block_taken_from_another_client_is_not_taken_back() -> None:
+    """Under KV pressure a requester takes a younger request's blocks only from a client holding as many seats as its
+    own or more (or any of a client holding two or more more): from one holding one fewer, that client, then two
+    short, would take them back (the +2 rule), a trade back and forth."""
+    sched = make(max_num_seqs=8)
+    a = [_req("a") for _ in range(3)]
+    c = [_req("c") for _ in range(2)]
+    for r in (*a, *c):
+        sched.add(r)
+    fake_step(sched, 1024)
+    assert [r.client for r in sched.running] == ["a", "c", "a", "c", "a"]  # (clients take turns at admission)
+    in_batch = Batch()
+    for r in a[1:]:
+        in_batch.add(r, 1)
+    assert sched._victim(a[0], in_batch) is None, "c holds 2 seats to a's 3: c's younger requests are not a's to take"
+    assert sched._victim(c[0], in_batch) is c[1], "its own younger one"
+    assert sched._victim(c[0], Batch()) is a[2], "a's youngest: a holds more seats"
+
+
+def test_no_drafts_in_a_step_that_defers_decodes() -> None:
+    """Speculative decoding: the deferred decodes' room is not the drafts' (a step sharing its decodes is at the
+    target already); a step of one client, sharing nothing, drafts."""
+    sched = make(max_num_seqs=16, num_blocks=512, itl_slo_ms=TARGET_MS, speculative="ngram",
+                 speculative_adaptive=False)
+    sched.spec.step_cost = sched.step_cost = _fed(0.010, 0.030, 0.00001)  # 2 decodes fit the target
+    reqs = [_req("a", max_tokens=100) for _ in range(3)]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(12):  # (fake_step's tokens are all 7: prompt lookup finds a draft)
+        rec = fake_step(sched, 1024)
+    assert any(r.draft for r in sched.running), "one client: everything decodes, and drafts"
+    b = _req("b", max_tokens=100)
+    sched.add(b)
+    for _ in range(10):
+        rec = fake_step(sched, 1024)
+        if not b.is_prefilling and b.num_output_tokens > 1:
+            break
+    assert len(rec.reqs) == 2 and b in rec.reqs
+    assert [n for _, n, _ in rec.entries] == [1, 1], "no drafts"
