@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import matplotlib.pyplot as plt
 
 from bench import report
 from bench.common import Run, model_config
@@ -130,16 +129,11 @@ def main(run: Run) -> dict:
 
     def plot():
         names = [s.name for s in systems if s.name in traces]
-        fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.6 * len(names) + 0.8), sharex=True, sharey=True)
-        axes = [axes] if len(names) == 1 else list(axes)
+        fig, axes = report.gap_panels(names, 1.6)
         for ax, name in zip(axes, names):
             tr = traces[name]
-            start, end, neighbour, _ = window(tr)
-            ts = tr.tokens[neighbour]
-            ax.hlines([1000 * (b - a) for a, b in zip(ts, ts[1:])], [a - start for a in ts[:-1]],
-                      [b - start for b in ts[1:]], color="#4c72b0", lw=1.2)
-            ax.set_yscale("log")
-            ax.set_ylabel("ITL ms", fontsize=8)
+            start, _, neighbour, _ = window(tr)
+            report.draw_gaps(ax, tr.tokens[neighbour], start)
             ax.set_title(f"{name}: neighbour ITL p50 {by[name]['itl_p50_ms']:,.0f} ms, "
                          f"crowd {by[name]['crowd_tok_s']:,.0f} tok/s beside it", fontsize=8, loc="left")
         axes[-1].set_xlabel("seconds since the neighbour arrived")

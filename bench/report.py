@@ -52,6 +52,23 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def gap_panels(names: Sequence[str], row_height: float):
+    """A figure of one panel per system, stacked, sharing their axes, for `draw_gaps`; returns (fig, axes)."""
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, row_height * len(names) + 0.8), sharex=True, sharey=True)
+    axes = [axes] if len(names) == 1 else list(axes)
+    for ax in axes:
+        ax.set_yscale("log")
+        ax.set_ylabel("ITL ms", fontsize=8)
+    return fig, axes
+
+
+def draw_gaps(ax, ts: Sequence[float], origin: float, **style) -> None:
+    """A stream's inter-token gaps (token time stamps `ts`), each a segment over the time it lasted (seconds after
+    `origin`) at its height in ms."""
+    ax.hlines([1000 * (b - a) for a, b in zip(ts, ts[1:])], [a - origin for a in ts[:-1]],
+              [b - origin for b in ts[1:]], color="#4c72b0", lw=1.2, **style)
+
+
 def cdf_figure(series: Sequence[tuple[str, Sequence[float], str]], xlabel: str, title: str, log_x: bool = False):
     """One step line per (label, values, color): the fraction of chats whose value is at most x."""
     fig, ax = plt.subplots(figsize=(7, 3.6))

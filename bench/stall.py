@@ -9,9 +9,6 @@ step's prompt tokens sized from the engine's step-cost model to keep the streams
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from itertools import pairwise
-
-import matplotlib.pyplot as plt
 
 from bench import report
 from bench.common import Run, model_config
@@ -133,21 +130,15 @@ def main(run: Run) -> dict:
 
     def plot():
         names = [s.name for s in systems if s.name in traces]
-        fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.5 * len(names) + 0.8), sharex=True, sharey=True)
-        axes = [axes] if len(names) == 1 else list(axes)
+        fig, axes = report.gap_panels(names, 1.5)
         for ax, name in zip(axes, names):
             tr = traces[name]
             _, a, first = long_window(tr)
             for rid in tr.arrival:
                 ts = tr.tokens.get(rid, [])
-                if rid.endswith("-long") or len(ts) < 2:
-                    continue
-                # each gap drawn as a segment over the time it lasted, at its height
-                ax.hlines([1000 * (y - x) for x, y in pairwise(ts)], [t - a for t in ts[:-1]], [t - a for t in ts[1:]],
-                          color="#4c72b0", lw=1.2, alpha=0.5)
+                if not rid.endswith("-long") and len(ts) >= 2:
+                    report.draw_gaps(ax, ts, a, alpha=0.5)
             ax.axvspan(0, first - a, color="#dd8452", alpha=0.25, lw=0)
-            ax.set_yscale("log")
-            ax.set_ylabel("ITL ms", fontsize=8)
             ax.set_title(f"{name}: long-prompt TTFT {1000 * (first - a):,.0f} ms, "
                          f"window max ITL {by[name]['itl_max_ms']:,.0f} ms", fontsize=8, loc="left")
         axes[-1].set_xlabel("seconds since the long prompt arrived (shaded: until its first token)")
