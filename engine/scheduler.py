@@ -467,14 +467,7 @@ class Scheduler:
         two or more more (as in `_rebalance`; either way the victim's client is left at most one seat short of
         `req`'s, so it never takes the block back). So one client's many streams grow into each other's blocks, not
         another client's few."""
-        seats = self._seats()
-        if seats is None:
-            for r in reversed(self.running):
-                if r is req:
-                    return None  # never preempt an older request for a younger one
-                if r not in batch:
-                    return r
-            return None
+        seats = self._seats() or Counter()  # (one client: all alike, so only a request admitted after `req`)
         mine, best, after = seats[req.client], None, True
         for r in reversed(self.running):
             if r is req:
