@@ -13,12 +13,14 @@ client would then have (`_admission_order`), and under `mixed` a client's waitin
 blocks of its first chunk, from a client with two or more running requests more (`_rebalance`: its youngest
 is preempted). So one client that fills every seat with long requests delays another's first token by a step, not
 until its own requests end. With an inter-token latency target (`itl_slo_ms`), clients share a step's decodes too:
-when the decodes that fit the target are fewer than those running, `decode_shares` splits them (a client with few
-streams decodes all of them every step; one with more than its share has them take turns, `_deferred_decodes`), so
-one client's many streams (a request with `n=128`) do not slow every other client's.
+when the decodes that fit the target are fewer than the clients want, `decode_shares` splits them (a client with few
+streams decodes all of them every step; a client's prompt gets its share of the step's time; one with more than its
+share has its streams take turns, `_deferred_decodes`), so one client's many streams (a request with `n=128`) do not
+slow every other client's, nor hold back a newcomer's first token.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
@@ -214,20 +216,29 @@ class Scheduler:
     def _deferred_decodes(self) -> set[Request]:
         """`mixed` with `itl_slo_ms`: the running requests whose decode waits for a later step, so that every client's
         share of the decodes that fit the target (`StepCost.decodes_within`) runs in this one (`decode_shares`). A
-        client over its share has its streams take turns (`turns`: a queue of its running requests, new ones at its
-        back; those that decode go to its back, one that cannot decode this step keeps its place). Empty with one
-        client, while everything fits, or where sharing would leave no client all its decodes."""
+        client's demand is its decodes and the time of its prompt tokens this step (`_prompt_demands`), so a client
+        whose first token is still to come gets a share of the step too, not only what the others' decodes leave. A
+        client over its share decodes at most its share, its streams taking turns (`turns`: a queue of its running
+        requests, new ones at its back; those that decode go to its back, one that cannot decode this step keeps its
+        place). Empty with one client, while everything fits, or where sharing would leave no client all it wants."""
         if self.config.itl_slo_ms is None or len(self.clients) < 2:
             return set()
         capacity = self.step_cost.decodes_within(self.config.itl_slo_ms / 1e3)
-        if capacity is None or capacity >= len(self.running):
+        if capacity is None or capacity == math.inf:
+            self.turns.clear()
+            return set()
+        capacity = int(capacity)
+        demands = self._prompt_demands(capacity // len(self.clients))
+        if capacity >= len(self.running) + sum(demands.values()):
             self.turns.clear()
             return set()
         by_client: dict[Hashable, list[Request]] = {}
         for req in self.running:
             if self._decodes(req):
                 by_client.setdefault(req.client, []).append(req)
-        shares = decode_shares({c: len(reqs) for c, reqs in by_client.items()}, int(capacity), self.num_shared_steps)
+        for client, reqs in by_client.items():
+            demands[client] += len(reqs)
+        shares = decode_shares(dict(demands), capacity, self.num_shared_steps) if by_client else None
         turns, self.turns = self.turns, {}
         if shares is None:
             return set()
@@ -249,6 +260,38 @@ class Scheduler:
             self.turns[client] = queue
         self.num_deferred_decodes += len(deferred)
         return deferred
+
+    def _prompt_demands(self, cap: int) -> Counter[Hashable]:
+        """Per client, the decodes whose time its prompt tokens would take this step (`StepCost.decodes_for`), at
+        most `cap`: the next chunk of each of its prompts under way, and of each waiting request a seat is free for
+        (its uncached tokens), as `_admit` would take them. A prompt's tokens are wanted whole, but any share
+        advances it: `cap` (an equal split of the step) bounds what one client's prompts take from the others'
+        decodes."""
+        demands: Counter[Hashable] = Counter()
+        if cap <= 0:
+            return demands
+        bs = self.bm.block_size
+
+        def add(req: Request, context: int) -> None:
+            tokens = min(req.num_tokens - context, self._chunk_limit(req), self.config.max_num_batched_tokens)
+            if tokens > 0:
+                demands[req.client] = min(cap, demands[req.client] + math.ceil(
+                    self.step_cost.decodes_for(tokens, context)))
+
+        for req in self.running:
+            if req.status is Status.RUNNING and req.is_prefilling and demands[req.client] < cap:
+                add(req, req.num_computed_tokens)
+        free = self.config.max_num_seqs - len(self.running)
+        held = self._held()
+        for req in self.waiting if free > 0 else [held] if held is not None else []:
+            if free <= 0 and req is not held:
+                break
+            if demands[req.client] >= cap or req.num_placeholders or (req.matcher is not None and req.waits_for_mask) \
+                    or not self._may_admit(req):
+                continue
+            add(req, 0 if req.wants_prompt_logprobs else len(self.bm.match_prefix(req)) * bs)
+            free -= 1
+        return +demands  # (no zero entries)
 
     def _schedule_drafts(self, batch: Batch, first: int, budget: int, graphs: StepGraphs | None) -> int:
         """Speculative decoding (engine/spec.py): the decodes batch[first:] each add their draft, from the budget and

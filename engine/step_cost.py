@@ -90,6 +90,12 @@ class StepCost(LinearFit):
             return 0.0
         return room / c1 if c1 > 0 else math.inf
 
+    def decodes_for(self, tokens: int, context: int) -> float:
+        """How many decodes take the time of a prompt chunk of `tokens` after `context` computed ones (the unit of
+        `decodes_within`); after the fit, while decodes cost something."""
+        c1, c2, c3 = self.coef[1:4]
+        return (c2 * tokens + c3 * attention_work(tokens, context)) / c1
+
     def _tokens(self, room: float, context: int) -> float:
         """The most prompt tokens, as one chunk after `context` computed ones, whose cost fits in `room` seconds
         (0 where none does; infinite where they cost nothing)."""

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.request import Request
 from engine.scheduler import Batch, decode_shares
 from engine.step_cost import HEADROOM
 from tests.engine.test_fair_share import _req
@@ -209,3 +210,43 @@ def test_no_drafts_in_a_step_that_defers_decodes() -> None:
             break
     assert len(rec.reqs) == 2 and b in rec.reqs
     assert [n for _, n, _ in rec.entries] == [1, 1], "no drafts"
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["new-prompt", "cached-prefix"])
+def test_a_newcomers_prompt_gets_a_share_of_the_step(cached) -> None:
+    """a's 64 streams decode when b's 64-token prompt arrives. A step fits 35 decodes' time (10 ms + 2 ms a decode,
+    1 ms a prompt token, 80 ms of a 100 ms target); b's prompt is worth 32 decodes, at most an equal share (17): a
+    decodes 18 streams, and b's prompt takes 34 tokens a step, so b's first token comes in the 2nd step. Before,
+    b had no decode, so no share: a's 64 decodes took the step, b's prompt the floor of one block (16 tokens a step, 4
+    steps). With the first 48 tokens of its prompt cached (b's earlier turn), b wants 16 tokens' time only and a
+    defers no more than that needs."""
+    sched = make(max_num_seqs=256, num_blocks=2048, itl_slo_ms=TARGET_MS)
+    sched.step_cost = _fed(0.010, 0.002, 0.001)
+    hog = [_req("a", max_tokens=100) for _ in range(64)]
+    for r in hog:
+        sched.add(r)
+    while any(r.is_prefilling or not r.num_computed_tokens for r in hog):
+        fake_step(sched, 1024)
+    b = _req("b", prompt_len=64, max_tokens=10)
+    if cached:  # an earlier request of b's, done: its prompt's first 3 blocks stay in the prefix cache
+        first = Request("b-earlier", b.token_ids[:48] + [1], SamplingParams(max_tokens=1), 1, "b")
+        sched.add(first)
+        while first.finish_reason is None:
+            fake_step(sched, 1024)
+    sched.add(b)
+    steps, prompt_steps = 0, []
+    while not b.num_output_tokens:
+        rec = fake_step(sched, 1024)
+        steps += 1
+        decodes, tokens = sum(1 for r, _, _ in rec.entries if r is not b), {r: n for r, n, _ in rec.entries}[b]
+        assert sched.step_cost.predict(decodes, tokens, 0.0) <= HEADROOM * TARGET_MS / 1e3 + 1e-6, "meets the target"
+        prompt_steps.append((decodes, tokens))
+    capacity = int(sched.step_cost.decodes_within(TARGET_MS / 1e3))  # (35, less the fit's rounding)
+    if cached:
+        assert steps == 1 and prompt_steps[0][1] == 16 and capacity - 9 <= prompt_steps[0][0] < capacity, prompt_steps
+    else:
+        (decodes, tokens), share = prompt_steps[0], capacity - capacity // 2
+        assert steps == 2 and decodes == share and abs(tokens - (70 - 2 * share)) <= 1, prompt_steps
+    while sched.has_unfinished():
+        fake_step(sched, 1024)
+    assert all(r.num_output_tokens == 100 for r in hog) and b.num_output_tokens == 10, "nothing deferred is lost"
