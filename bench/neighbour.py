@@ -8,8 +8,8 @@ decodes every step, the crowd's take turns in what the target leaves. Systems: `
 speed swings), and `mixed kv25%` and `mixed@slo kv40%`, with a KV pool of that share of what the streams grow into
 (each where the pool runs out while the neighbour runs): the crowd's streams are preempted for blocks, and the
 neighbour's should not be (it is the youngest request, but its client holds one seat). Under the target the
-neighbour's prompt gets its share of a step too, so its first token comes no later than beside the whole crowd. The neighbour arrives once every stream of the crowd has a token; the window is its whole
-stream.
+neighbour's prompt gets its share of a step too, so its first token comes no later than beside the whole crowd.
+The neighbour arrives once every stream of the crowd has a token; the window is its whole stream.
 """
 from __future__ import annotations
 
