@@ -289,7 +289,7 @@ class Scheduler:
             if demands[req.client] >= cap or req.num_placeholders or (req.matcher is not None and req.waits_for_mask) \
                     or not self._may_admit(req):
                 continue
-            add(req, 0 if req.wants_prompt_logprobs else len(self.bm.match_prefix(req)) * bs)
+            add(req, len(self._cached(req)) * bs)
             free -= 1
         return +demands  # (no zero entries)
 
@@ -366,10 +366,7 @@ class Scheduler:
                 break  # preempted while its token was being sampled (async scheduling): back once it is known
             if req.matcher is not None and req.waits_for_mask:
                 continue  # preempted while its grammar's next mask is being made: back once it is ready
-            # (its prompt's logprobs need every prompt token computed: nothing from the cache)
-            cached = self.bm.match_prefix(req)
-            if req.wants_prompt_logprobs:
-                cached = PrefixHits()
+            cached = self._cached(req)
             if computing and len(cached) < min(len(req.block_hashes), (req.num_tokens - 1) // bs) \
                     and req.block_hashes[len(cached)] in computing:
                 continue  # its next block is another prompt's in this step: cached next step (those behind go on)
@@ -436,8 +433,10 @@ class Scheduler:
         req = self._next_turn(seats)
         if req is None or not seats or (pressure and seats[req.client]):
             return
-        first_chunk = self.bm.blocks_needed(min(req.num_tokens, self._chunk_limit(req), cfg.max_num_batched_tokens))
-        while pressure or len(self.running) >= cfg.max_num_seqs or self.bm.num_free_blocks < first_chunk:
+        cached = self._cached(req)  # (its first chunk takes blocks for what the prefix cache does not hold)
+        first_chunk = min(req.num_tokens - len(cached) * self.bm.block_size, self._chunk_limit(req),
+                          cfg.max_num_batched_tokens)
+        while pressure or len(self.running) >= cfg.max_num_seqs or not self.bm.can_allocate(req, first_chunk, cached):
             client, most = seats.most_common(1)[0]
             if most < seats[req.client] + 2:
                 return
@@ -469,6 +468,11 @@ class Scheduler:
                 if not fewest:
                     break
         return best
+
+    def _cached(self, req: Request) -> PrefixHits:
+        """The prefix cache's blocks for a waiting request's prompt; none where it wants its prompt's logprobs (they
+        need every prompt token computed)."""
+        return PrefixHits() if req.wants_prompt_logprobs else self.bm.match_prefix(req)
 
     def _chunk_limit(self, req: Request) -> int:
         """The most tokens of `req`'s prompt one chunk computes: with prompt logprobs, the rows of logits this step

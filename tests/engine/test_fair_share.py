@@ -97,6 +97,32 @@ def test_a_client_whose_requests_hold_the_kv_blocks_gives_another_room_for_its_f
     assert all(r.finish_reason == "length" for r in [*hog, b])
 
 
+def test_room_for_a_first_chunk_counts_what_the_prefix_cache_holds():
+    """a's 13 requests share a 48-token system prompt (3 blocks) and hold the rest of the 16-block pool, a block
+    each. b's prompt is that system prompt and 4 tokens: its first chunk takes one fresh block, so one of a's
+    requests is preempted for it. Before, the room was counted as if nothing were cached (4 blocks): four were."""
+    sched = make(max_model_len=256, num_blocks=16, block_size=16, max_num_seqs=16)
+    system = [9_000_000 + i for i in range(48)]
+
+    def chat(client: str, tail: int, max_tokens: int) -> Request:
+        base = next(_n) * 100_000
+        prompt = system + [base + i for i in range(tail)]
+        return Request(f"{client}{base}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens, client)
+
+    hog = [chat("a", 12, 3) for _ in range(13)]  # 60 tokens: up to 63 with their output, in their 4th block
+    for r in hog:
+        sched.add(r)
+    while any(r.status is Status.WAITING for r in hog):
+        fake_step(sched, 256)
+    assert sched.bm.num_free_blocks == 0 and len(sched.running) == 13
+    b = chat("b", 4, 3)
+    sched.add(b)
+    rec = fake_step(sched, 256)
+    assert b in rec.reqs and sched.num_fair_preemptions == 1, sched.num_fair_preemptions
+    run_until_done(sched, 256)
+    assert all(r.finish_reason == "length" for r in [*hog, b])
+
+
 def test_the_seat_taken_is_held_for_its_request():
     """b's request wants its prompt's logprobs, and a's long prompt takes every row of them a step has for many
     steps: b is passed over (it waits, keeping its place) while the seat taken for it stays its own, not a's
