@@ -419,9 +419,9 @@ class Scheduler:
         holds two or more more than its client: that client's most recently admitted running request is preempted
         (requeued at the front: its client's next), and the seat is held for the request (`granted`) until it is
         admitted, so the seat is taken once, never traded back and forth. Under `normal`, while every seat is taken
-        or the free KV blocks do not hold the request's first chunk; under KV pressure (`hold`, `static`), for a client
-        with nothing running only, one running request for the one admitted past the mode (`_may_admit`), so the
-        pressure stays what it was. Not KV pressure: counted in `num_fair_preemptions`."""
+        or the free KV blocks do not hold the request's first chunk (beside its prefix cache hits); under KV pressure
+        (`hold`, `static`), for a client with nothing running only, one running request for the one admitted past the
+        mode (`_may_admit`), so the pressure stays what it was. Not KV pressure: counted in `num_fair_preemptions`."""
         cfg = self.config
         pressure = self.pressure.mode != "normal"
         if len(self.clients) < 2 or not self.waiting or self._held() is not None or (
