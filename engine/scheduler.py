@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterator
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -216,8 +217,9 @@ class Scheduler:
     def _deferred_decodes(self) -> set[Request]:
         """`mixed` with `itl_slo_ms`: the running requests whose decode waits for a later step, so that every client's
         share of the decodes that fit the target (`StepCost.decodes_within`) runs in this one (`decode_shares`). A
-        client's demand is its decodes and the time of its prompt tokens this step (`_prompt_demands`), so a client
-        whose first token is still to come gets a share of the step too, not only what the others' decodes leave. A
+        client's demand is its decodes and the time of its prompt tokens this step (`_prompts`, priced in decodes by
+        `StepCost.decodes_for`, at most an equal split between the clients with work in the step), so a client whose
+        first token is still to come gets a share of the step too, not only what the others' decodes leave. A
         client over its share decodes at most its share, its streams taking turns (`turns`: a queue of its running
         requests, new ones at its back; those that decode go to its back, one that cannot decode this step keeps its
         place). Empty with one client, while everything fits, or where sharing would leave no client all it wants."""
@@ -227,18 +229,25 @@ class Scheduler:
         if capacity is None or capacity == math.inf:
             self.turns.clear()
             return set()
-        capacity = int(capacity)
-        demands = self._prompt_demands(capacity // len(self.clients))
-        if capacity >= len(self.running) + sum(demands.values()):
-            self.turns.clear()
-            return set()
         by_client: dict[Hashable, list[Request]] = {}
         for req in self.running:
             if self._decodes(req):
                 by_client.setdefault(req.client, []).append(req)
-        for client, reqs in by_client.items():
-            demands[client] += len(reqs)
-        shares = decode_shares(dict(demands), capacity, self.num_shared_steps) if by_client else None
+        prompts = self._prompts()
+        clients = by_client.keys() | {req.client for req, _ in prompts}
+        shares = None
+        if by_client and len(clients) > 1:
+            capacity = int(capacity)
+            cap = capacity // len(clients)  # (a client's prompts take at most an equal split of the step)
+            demands: Counter[Hashable] = Counter()
+            for req, context in prompts:
+                tokens = min(req.num_tokens - context, self._chunk_limit(req), self.config.max_num_batched_tokens)
+                if cap and demands[req.client] < cap:
+                    demands[req.client] = min(cap, demands[req.client] + math.ceil(
+                        self.step_cost.decodes_for(tokens, context)))
+            for client, reqs in by_client.items():
+                demands[client] += len(reqs)
+            shares = decode_shares(+demands, capacity, self.num_shared_steps)
         turns, self.turns = self.turns, {}
         if shares is None:
             return set()
@@ -261,37 +270,25 @@ class Scheduler:
         self.num_deferred_decodes += len(deferred)
         return deferred
 
-    def _prompt_demands(self, cap: int) -> Counter[Hashable]:
-        """Per client, the decodes whose time its prompt tokens would take this step (`StepCost.decodes_for`), at
-        most `cap`: the next chunk of each of its prompts under way, and of each waiting request a seat is free for
-        (its uncached tokens), as `_admit` would take them. A prompt's tokens are wanted whole, but any share
-        advances it: `cap` (an equal split of the step) bounds what one client's prompts take from the others'
-        decodes."""
-        demands: Counter[Hashable] = Counter()
-        if cap <= 0:
-            return demands
-        bs = self.bm.block_size
-
-        def add(req: Request, context: int) -> None:
-            tokens = min(req.num_tokens - context, self._chunk_limit(req), self.config.max_num_batched_tokens)
-            if tokens > 0:
-                demands[req.client] = min(cap, demands[req.client] + math.ceil(
-                    self.step_cost.decodes_for(tokens, context)))
-
-        for req in self.running:
-            if req.status is Status.RUNNING and req.is_prefilling and demands[req.client] < cap:
-                add(req, req.num_computed_tokens)
-        free = self.config.max_num_seqs - len(self.running)
+    def _prompts(self) -> list[tuple[Request, int]]:
+        """The prompts this step may compute tokens of, each with the tokens already computed or cached: those under
+        way, and the first waiting requests seats are free for (at most `max_num_partial_prefills` of them; the
+        request `_rebalance` took a seat for first)."""
+        prompts = [(r, r.num_computed_tokens) for r in self.running if r.status is Status.RUNNING and r.is_prefilling]
+        # NOTE: a step starts at most max_num_partial_prefills prompts it does not finish, so no more are looked up in
+        # the prefix cache (a queue of long prompts, under a target that admits a block a step, would cost as many
+        # lookups a step as there are free seats)
         held = self._held()
-        for req in self.waiting if free > 0 else [held] if held is not None else []:
-            if free <= 0 and req is not held:
+        looks = min(max(self.config.max_num_seqs - len(self.running), held is not None),
+                    self.config.max_num_partial_prefills)
+        for req in self.waiting if held is None else chain([held], (r for r in self.waiting if r is not held)):
+            if looks <= 0:
                 break
-            if demands[req.client] >= cap or req.num_placeholders or (req.matcher is not None and req.waits_for_mask) \
-                    or not self._may_admit(req):
+            if req.num_placeholders or (req.matcher is not None and req.waits_for_mask) or not self._may_admit(req):
                 continue
-            add(req, len(self._cached(req)) * bs)
-            free -= 1
-        return +demands  # (no zero entries)
+            prompts.append((req, len(self._cached(req)) * self.bm.block_size))
+            looks -= 1
+        return prompts
 
     def _schedule_drafts(self, batch: Batch, first: int, budget: int, graphs: StepGraphs | None) -> int:
         """Speculative decoding (engine/spec.py): the decodes batch[first:] each add their draft, from the budget and

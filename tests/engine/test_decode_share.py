@@ -250,3 +250,33 @@ def test_a_newcomers_prompt_gets_a_share_of_the_step(cached) -> None:
     while sched.has_unfinished():
         fake_step(sched, 1024)
     assert all(r.num_output_tokens == 100 for r in hog) and b.num_output_tokens == 10, "nothing deferred is lost"
+
+
+def test_a_queue_of_prompts_costs_a_few_prefix_lookups_a_step() -> None:
+    """Under a target that admits a block a step, long prompts of many clients wait beside free seats: a step looks
+    up in the prefix cache at most `max_num_partial_prefills` of them for their share, not one per free seat."""
+    sched = _sched(max_num_partial_prefills=2)
+    hog = [_req("a", max_tokens=50) for _ in range(64)]
+    for r in hog:
+        sched.add(r)
+    while any(r.is_prefilling or not r.num_computed_tokens for r in hog):
+        fake_step(sched, 1024)
+    for i in range(100):
+        sched.add(_req(f"c{i}", prompt_len=500, max_tokens=2))
+    lookups, match, prompts, sharing = [], sched.bm.match_prefix, sched._prompts, [False]
+    sched.bm.match_prefix = lambda req: lookups.append(sharing[0]) or match(req)
+
+    def counted():
+        sharing[0] = True
+        try:
+            return prompts()
+        finally:
+            sharing[0] = False
+
+    sched._prompts = counted
+    for _ in range(5):
+        lookups.clear()
+        rec = fake_step(sched, 1024)
+        assert lookups.count(True) == 2, "the shares' lookups: two of the hundred"
+        assert sum(1 for r in rec.reqs if r.client == "a") < 64, "the prompts have a share"
+    assert sched.num_deferred_decodes > 0
