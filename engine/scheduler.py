@@ -218,11 +218,12 @@ class Scheduler:
         """`mixed` with `itl_slo_ms`: the running requests whose decode waits for a later step, so that every client's
         share of the decodes that fit the target (`StepCost.decodes_within`) runs in this one (`decode_shares`). A
         client's demand is its decodes and the time of its prompt tokens this step (`_prompts`, priced in decodes by
-        `StepCost.decodes_for`, at most an equal split between the clients with work in the step), so a client whose
-        first token is still to come gets a share of the step too, not only what the others' decodes leave. A
-        client over its share decodes at most its share, its streams taking turns (`turns`: a queue of its running
-        requests, new ones at its back; those that decode go to its back, one that cannot decode this step keeps its
-        place). Empty with one client, while everything fits, or where sharing would leave no client all it wants."""
+        `StepCost.decodes_for`, at most what an equal split between the clients with work in the step leaves beside
+        its decodes), so a client whose first token is still to come gets a share of the step too, not only what the
+        others' decodes leave. A client over its share decodes at most its share, its streams taking turns (`turns`:
+        a queue of its running requests, new ones at its back; those that decode go to its back, one that cannot
+        decode this step keeps its place). Empty with one client, while everything fits, or where sharing would
+        leave no client all it wants."""
         if self.config.itl_slo_ms is None or len(self.clients) < 2:
             return set()
         capacity = self.step_cost.decodes_within(self.config.itl_slo_ms / 1e3)
@@ -234,20 +235,26 @@ class Scheduler:
             if self._decodes(req):
                 by_client.setdefault(req.client, []).append(req)
         prompts = self._prompts()
-        clients = by_client.keys() | {req.client for req, _ in prompts}
+        clients = by_client.keys() | {req.client for req, _, _ in prompts}
         shares = None
         if by_client and len(clients) > 1:
             capacity = int(capacity)
-            cap = capacity // len(clients)  # (a client's prompts take at most an equal split of the step)
-            demands: Counter[Hashable] = Counter()
-            for req, context in prompts:
-                tokens = min(req.num_tokens - context, self._chunk_limit(req), self.config.max_num_batched_tokens)
-                if cap and demands[req.client] < cap:
-                    demands[req.client] = min(cap, demands[req.client] + math.ceil(
-                        self.step_cost.decodes_for(tokens, context)))
-            for client, reqs in by_client.items():
-                demands[client] += len(reqs)
-            shares = decode_shares(+demands, capacity, self.num_shared_steps)
+            decodes = {client: len(reqs) for client, reqs in by_client.items()}
+            # a client's prompts take at most what an equal split of the step leaves beside its decodes, so a client
+            # with a stream and a new prompt wants no more than the split (a demand over it, with every other client
+            # over it too, would leave no split)
+            cap = capacity // len(clients)
+            wanted: Counter[Hashable] = Counter()
+            for req, tokens, context in prompts:
+                wanted[req.client] += self.step_cost.decodes_for(tokens, context)
+            demands = dict(decodes)
+            for client, n in wanted.items():
+                room = cap - decodes.get(client, 0)
+                if room > 0 and n > 0:
+                    demands[client] = demands.get(client, 0) + math.ceil(min(n, room))
+            shares = decode_shares(demands, capacity, self.num_shared_steps)
+            if shares is None and demands != decodes:  # (as without the prompts: the decodes alone may split)
+                shares = decode_shares(decodes, capacity, self.num_shared_steps)
         turns, self.turns = self.turns, {}
         if shares is None:
             return set()
@@ -270,23 +277,38 @@ class Scheduler:
         self.num_deferred_decodes += len(deferred)
         return deferred
 
-    def _prompts(self) -> list[tuple[Request, int]]:
-        """The prompts this step may compute tokens of, each with the tokens already computed or cached: those under
-        way, and the first waiting requests seats are free for (at most `max_num_partial_prefills` of them; the
-        request `_rebalance` took a seat for first)."""
-        prompts = [(r, r.num_computed_tokens) for r in self.running if r.status is Status.RUNNING and r.is_prefilling]
+    def _prompts(self) -> list[tuple[Request, int, int]]:
+        """The prompt chunks this step may compute, as (request, tokens, tokens already computed or cached): the
+        next chunk of each prompt under way, and of the first waiting requests seats are free for, in the order
+        `_admit` takes them (at most `max_num_partial_prefills`; the request `_rebalance` took a seat for first);
+        none whose chunk the free KV blocks do not hold."""
+        limit = self.config.max_num_batched_tokens
+        prompts = []
+        for req in self.running:
+            if req.status is Status.RUNNING and req.is_prefilling:
+                n = min(req.num_tokens - req.num_computed_tokens, self._chunk_limit(req), limit)
+                if self.bm.can_allocate(req, n):
+                    prompts.append((req, n, req.num_computed_tokens))
         # NOTE: a step starts at most max_num_partial_prefills prompts it does not finish, so no more are looked up in
         # the prefix cache (a queue of long prompts, under a target that admits a block a step, would cost as many
         # lookups a step as there are free seats)
         held = self._held()
         looks = min(max(self.config.max_num_seqs - len(self.running), held is not None),
                     self.config.max_num_partial_prefills)
-        for req in self.waiting if held is None else chain([held], (r for r in self.waiting if r is not held)):
-            if looks <= 0:
-                break
-            if req.num_placeholders or (req.matcher is not None and req.waits_for_mask) or not self._may_admit(req):
+        if looks <= 0:
+            return prompts
+        order = self._admission_order(self._seats())
+        for req in order if held is None else chain([held], (r for r in order if r is not held)):
+            if looks <= 0 or req.num_placeholders or not self._may_admit(req):
+                break  # (where `_admit` stops too)
+            if req.matcher is not None and req.waits_for_mask:
                 continue
-            prompts.append((req, len(self._cached(req)) * self.bm.block_size))
+            cached = self._cached(req)
+            context = len(cached) * self.bm.block_size
+            n = min(req.num_tokens - context, self._chunk_limit(req), limit)
+            if not self.bm.can_allocate(req, n, cached):
+                break
+            prompts.append((req, n, context))
             looks -= 1
         return prompts
 
@@ -468,8 +490,9 @@ class Scheduler:
 
     def _cached(self, req: Request) -> PrefixHits:
         """The prefix cache's blocks for a waiting request's prompt; none where it wants its prompt's logprobs (they
-        need every prompt token computed)."""
-        return PrefixHits() if req.wants_prompt_logprobs else self.bm.match_prefix(req)
+        need every prompt token computed; its blocks are hashed all the same, for the prompts that share them)."""
+        hits = self.bm.match_prefix(req)
+        return PrefixHits() if req.wants_prompt_logprobs else hits
 
     def _chunk_limit(self, req: Request) -> int:
         """The most tokens of `req`'s prompt one chunk computes: with prompt logprobs, the rows of logits this step

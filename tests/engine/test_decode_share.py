@@ -280,3 +280,70 @@ def test_a_queue_of_prompts_costs_a_few_prefix_lookups_a_step() -> None:
         assert lookups.count(True) == 2, "the shares' lookups: two of the hundred"
         assert sum(1 for r in rec.reqs if r.client == "a") < 64, "the prompts have a share"
     assert sched.num_deferred_decodes > 0
+
+
+def test_a_client_with_a_stream_and_a_new_prompt_still_shares() -> None:
+    """b decodes one stream beside a's 64 and sends a 200-token prompt. Its prompt's share is what an equal split
+    leaves beside its stream, so its demand stays within the split and the step is still shared. Before, the share
+    was added on top of the stream: every client's demand was over the split, nothing was shared, and the steps ran
+    all 65 decodes (156 ms predicted against an 80 ms aim; found by a review)."""
+    sched = _sched()
+    sched.step_cost = _fed(0.010, 0.002, 0.001)
+    hog = [_req("a", max_tokens=400) for _ in range(64)]
+    chat = _req("b", max_tokens=400)
+    for r in (*hog, chat):
+        sched.add(r)
+    while any(r.is_prefilling or not r.num_computed_tokens for r in (*hog, chat)):
+        fake_step(sched, 4096)
+    second = _req("b", prompt_len=200, max_tokens=5)
+    sched.add(second)
+    while not second.num_output_tokens:
+        rec = fake_step(sched, 4096)
+        assert chat in rec.reqs
+        decodes, tokens = len(rec.reqs) - (second in rec.reqs), {r: n for r, n, _ in rec.entries}.get(second, 0)
+        assert sched.step_cost.predict(decodes, tokens, 0.0) <= HEADROOM * TARGET_MS / 1e3 + 1e-6
+
+
+def test_a_newcomer_behind_another_clients_queue_gets_its_share() -> None:
+    """a has 12 long prompts queued when b's arrives: b's is looked at first (the order `_admit` takes the queue
+    in, by seats), so it has a share. Before, the queue was looked at in its own order: only a's prompts, and b's
+    first token took 20 steps instead of 10 (found by a review)."""
+    sched = _sched()
+    sched.step_cost = _fed(0.010, 0.002, 0.001)
+    hog = [_req("a", max_tokens=600) for _ in range(64)]
+    for r in hog:
+        sched.add(r)
+    while any(r.is_prefilling or not r.num_computed_tokens for r in hog):
+        fake_step(sched, 8192)
+    for _ in range(12):
+        sched.add(_req("a", prompt_len=300, max_tokens=600))
+    fake_step(sched, 8192)
+    b = _req("b", prompt_len=64, max_tokens=3)
+    sched.add(b)
+    steps = 0
+    while not b.num_output_tokens:
+        fake_step(sched, 8192)
+        steps += 1
+    assert steps <= 12, steps
+
+
+def test_a_prompt_whose_chunk_has_no_blocks_defers_nothing() -> None:
+    """b's prompt is stuck mid-prefill in a small pool, its next chunk waiting for a's blocks: it wants no share
+    (before, its demand deferred one of a's two streams every step, for nothing, and slowed the blocks it waited
+    for; found by a review)."""
+    sched = make(max_model_len=128, num_blocks=14, block_size=8, max_num_seqs=4, itl_slo_ms=TARGET_MS,
+                 long_prefill_token_threshold=16)
+    sched.step_cost = _fed(0.020, 0.025, 0.0002)  # (80 - 20) / 25: 2 decodes fit
+    a = [_req("a", prompt_len=8, max_tokens=56) for _ in range(2)]
+    for r in a:
+        sched.add(r)
+    fake_step(sched, 128)
+    b = _req("b", prompt_len=100, max_tokens=2)
+    sched.add(b)
+    while sched.has_unfinished():
+        deferred = sched.num_deferred_decodes
+        rec = fake_step(sched, 128)
+        sched.bm.check_integrity(sched.running)
+        if sched.num_deferred_decodes > deferred:
+            assert any(n > 1 for _, n, _ in rec.entries), "a decode deferred for a prompt that computed nothing"
+    assert [r.num_output_tokens for r in a] == [56, 56] and b.num_output_tokens == 2

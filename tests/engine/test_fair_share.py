@@ -217,3 +217,18 @@ def test_under_kv_pressure_a_client_with_many_streams_gives_up_its_own(policy):
     assert sched.num_preemptions > 0, "the pool ran out while b ran"
     run_until_done(sched, 512)
     assert all(r.num_output_tokens == 150 for r in hog)
+
+
+def test_a_prompt_wanting_its_logprobs_is_hashed_for_the_prompts_that_share_it():
+    """A request that wants its prompt's logprobs takes nothing from the prefix cache, but its blocks are hashed at
+    admission all the same, so a prompt sharing them in the same step waits a step and takes them from the cache
+    instead of computing them twice (lost once, in a refactor; found by a review)."""
+    sched = make(max_num_seqs=8, num_blocks=256)
+    prefix = [5_000_000 + i for i in range(64)]  # 4 blocks
+    lp = Request("lp", prefix + [1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=1), 2, "a")
+    other = Request("other", prefix + [4, 5, 6], SamplingParams(max_tokens=2), 2, "b")
+    sched.add(lp)
+    sched.add(other)
+    assert [r for r in fake_step(sched, 1024).reqs] == [lp], "other waits for the blocks lp computes"
+    fake_step(sched, 1024)
+    assert other.num_cached_tokens == 64
