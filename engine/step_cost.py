@@ -52,7 +52,9 @@ def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             # the way from x to s leaves the feasible set: go as far as it allows, and hold the term that hits zero
             out = idx[s[idx] <= 0]
             gap = x[out] - s[out]  # (>= 0: x >= 0 >= s there)
-            x = x + np.min(np.divide(x[out], gap, out=np.zeros_like(gap), where=gap > 0)) * (s - x)
+            steps = np.divide(x[out], gap, out=np.zeros_like(gap), where=gap > 0)
+            x = x + steps.min() * (s - x)
+            free[out[steps.argmin()]] = False  # (held by name too: rounding may leave it a hair above zero)
             free &= x > 0
             x[~free] = 0.0
             if not free.any():
