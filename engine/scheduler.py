@@ -282,11 +282,10 @@ class Scheduler:
         next chunk of each prompt under way, and of the first waiting requests seats are free for, in the order
         `_admit` takes them (at most `max_num_partial_prefills`; the request `_rebalance` took a seat for first);
         none whose chunk the free KV blocks do not hold."""
-        limit = self.config.max_num_batched_tokens
         prompts = []
         for req in self.running:
             if req.status is Status.RUNNING and req.is_prefilling:
-                n = min(req.num_tokens - req.num_computed_tokens, self._chunk_limit(req), limit)
+                n = self._next_chunk(req, req.num_computed_tokens)
                 if self.bm.can_allocate(req, n):
                     prompts.append((req, n, req.num_computed_tokens))
         # NOTE: a step starts at most max_num_partial_prefills prompts it does not finish, so no more are looked up in
@@ -305,7 +304,7 @@ class Scheduler:
                 continue
             cached = self._cached(req)
             context = len(cached) * self.bm.block_size
-            n = min(req.num_tokens - context, self._chunk_limit(req), limit)
+            n = self._next_chunk(req, context)
             if not self.bm.can_allocate(req, n, cached):
                 break
             prompts.append((req, n, context))
@@ -453,8 +452,7 @@ class Scheduler:
         if req is None or not seats or (pressure and seats[req.client]):
             return
         cached = self._cached(req)  # (its first chunk takes blocks for what the prefix cache does not hold)
-        first_chunk = min(req.num_tokens - len(cached) * self.bm.block_size, self._chunk_limit(req),
-                          cfg.max_num_batched_tokens)
+        first_chunk = self._next_chunk(req, len(cached) * self.bm.block_size)
         while pressure or len(self.running) >= cfg.max_num_seqs or not self.bm.can_allocate(req, first_chunk, cached):
             client, most = seats.most_common(1)[0]
             if most < seats[req.client] + 2:
@@ -498,6 +496,11 @@ class Scheduler:
         """The most tokens of `req`'s prompt one chunk computes: with prompt logprobs, the rows of logits this step
         has left for them (`prompt_logprob_rows` in all)."""
         return min(self.config.chunk_limit, self.prompt_rows) if req.wants_prompt_logprobs else self.config.chunk_limit
+
+    def _next_chunk(self, req: Request, computed: int) -> int:
+        """The tokens of `req`'s prompt its next chunk computes after `computed` (computed or cached), with the step's
+        whole budget (`_chunk_limit` is never above `max_num_batched_tokens`)."""
+        return min(req.num_tokens - computed, self._chunk_limit(req))
 
     def _add(self, batch: Batch, req: Request, n: int) -> None:
         batch.add(req, n)

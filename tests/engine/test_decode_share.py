@@ -46,13 +46,18 @@ def _sched(**kw):
     return sched
 
 
+def _decoding(sched, reqs: list, max_model_len: int = 1024) -> list:
+    """Adds `reqs` and steps until each has its prompt computed and a token: all of them decoding."""
+    for r in reqs:
+        sched.add(r)
+    while any(r.is_prefilling or not r.num_computed_tokens for r in reqs):
+        fake_step(sched, max_model_len)
+    return reqs
+
+
 def test_one_clients_many_streams_take_turns_and_anothers_decodes_every_step() -> None:
     sched = _sched()
-    hog = [_req("a", max_tokens=40) for _ in range(64)]
-    for r in hog:
-        sched.add(r)
-    while any(r.is_prefilling or not r.num_computed_tokens for r in hog):
-        fake_step(sched, 1024)
+    hog = _decoding(sched, [_req("a", max_tokens=40) for _ in range(64)])
     rec = fake_step(sched, 1024)
     assert len(rec.reqs) == 64 and sched.num_deferred_decodes == 0, "one client: nothing to share, all decode"
     b = _req("b", max_tokens=30)
@@ -222,11 +227,7 @@ def test_a_newcomers_prompt_gets_a_share_of_the_step(cached) -> None:
     defers no more than that needs."""
     sched = make(max_num_seqs=256, num_blocks=2048, itl_slo_ms=TARGET_MS)
     sched.step_cost = _fed(0.010, 0.002, 0.001)
-    hog = [_req("a", max_tokens=100) for _ in range(64)]
-    for r in hog:
-        sched.add(r)
-    while any(r.is_prefilling or not r.num_computed_tokens for r in hog):
-        fake_step(sched, 1024)
+    hog = _decoding(sched, [_req("a", max_tokens=100) for _ in range(64)])
     b = _req("b", prompt_len=64, max_tokens=10)
     if cached:  # an earlier request of b's, done: its prompt's first 3 blocks stay in the prefix cache
         first = Request("b-earlier", b.token_ids[:48] + [1], SamplingParams(max_tokens=1), 1, "b")
@@ -256,11 +257,7 @@ def test_a_queue_of_prompts_costs_a_few_prefix_lookups_a_step() -> None:
     """Under a target that admits a block a step, long prompts of many clients wait beside free seats: a step looks
     up in the prefix cache at most `max_num_partial_prefills` of them for their share, not one per free seat."""
     sched = _sched(max_num_partial_prefills=2)
-    hog = [_req("a", max_tokens=50) for _ in range(64)]
-    for r in hog:
-        sched.add(r)
-    while any(r.is_prefilling or not r.num_computed_tokens for r in hog):
-        fake_step(sched, 1024)
+    _decoding(sched, [_req("a", max_tokens=50) for _ in range(64)])
     for i in range(100):
         sched.add(_req(f"c{i}", prompt_len=500, max_tokens=2))
     lookups, match, prompts, sharing = [], sched.bm.match_prefix, sched._prompts, [False]
@@ -289,12 +286,7 @@ def test_a_client_with_a_stream_and_a_new_prompt_still_shares() -> None:
     all 65 decodes (156 ms predicted against an 80 ms aim; found by a review)."""
     sched = _sched()
     sched.step_cost = _fed(0.010, 0.002, 0.001)
-    hog = [_req("a", max_tokens=400) for _ in range(64)]
-    chat = _req("b", max_tokens=400)
-    for r in (*hog, chat):
-        sched.add(r)
-    while any(r.is_prefilling or not r.num_computed_tokens for r in (*hog, chat)):
-        fake_step(sched, 4096)
+    *hog, chat = _decoding(sched, [*(_req("a", max_tokens=400) for _ in range(64)), _req("b", max_tokens=400)], 4096)
     second = _req("b", prompt_len=200, max_tokens=5)
     sched.add(second)
     while not second.num_output_tokens:
@@ -310,11 +302,7 @@ def test_a_newcomer_behind_another_clients_queue_gets_its_share() -> None:
     first token took 20 steps instead of 10 (found by a review)."""
     sched = _sched()
     sched.step_cost = _fed(0.010, 0.002, 0.001)
-    hog = [_req("a", max_tokens=600) for _ in range(64)]
-    for r in hog:
-        sched.add(r)
-    while any(r.is_prefilling or not r.num_computed_tokens for r in hog):
-        fake_step(sched, 8192)
+    _decoding(sched, [_req("a", max_tokens=600) for _ in range(64)], 8192)
     for _ in range(12):
         sched.add(_req("a", prompt_len=300, max_tokens=600))
     fake_step(sched, 8192)
