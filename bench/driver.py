@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine_thread import freeze_startup_heap
 
 
 @dataclass
@@ -80,11 +81,9 @@ class EngineSystem:
             on_step: Callable[[Trace, float], list[Req]] | None = None) -> Trace:
         if self.engine is None:
             self.engine = LLMEngine(self.config)
-            # NOTE: as the server does once its engine is built (service/engine_thread.py `freeze_startup_heap`): the
-            # cyclic collector no longer scans torch's and the model's objects. Without it a full collection in a
-            # measured run held a step for 168 ms (AMD EPYC, `neighbour`), a spike no served stream sees
-            gc.collect()
-            gc.freeze()
+            # NOTE: as the server does once its engine is built: without it a full collection in a measured run held
+            # a step for 168 ms (AMD EPYC, `neighbour`), a spike no served stream sees
+            freeze_startup_heap()
         return drive(self.engine, reqs, desc or self.name, progress, on_step)
 
     def close(self) -> None:
