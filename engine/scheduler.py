@@ -227,7 +227,7 @@ class Scheduler:
         if self.config.itl_slo_ms is None or len(self.clients) < 2:
             return set()
         capacity = self.step_cost.decodes_within(self.config.itl_slo_ms / 1e3)
-        if capacity is None or capacity == math.inf:
+        if capacity is None or capacity == math.inf or capacity < 1:  # (< 1: no split, and decodes may cost 0)
             self.turns.clear()
             return set()
         by_client: dict[Hashable, list[Request]] = {}

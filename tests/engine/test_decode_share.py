@@ -4,6 +4,7 @@ client's stream. Without a model, as in test_fair_share.py; then through an engi
 from __future__ import annotations
 
 import random
+import warnings
 from collections import Counter
 
 import pytest
@@ -335,3 +336,20 @@ def test_a_prompt_whose_chunk_has_no_blocks_defers_nothing() -> None:
         if sched.num_deferred_decodes > deferred:
             assert any(n > 1 for _, n, _ in rec.entries), "a decode deferred for a prompt that computed nothing"
     assert [r.num_output_tokens for r in a] == [56, 56] and b.num_output_tokens == 2
+
+
+def test_a_step_over_the_target_with_free_decodes_shares_nothing() -> None:
+    """A fit whose fixed cost alone is over the target and whose decodes cost nothing (seen on the tiny model under
+    load): nothing fits, nothing is split, and no prompt is priced in decodes of no cost (a division by zero
+    before)."""
+    sched = _sched()
+    sched.step_cost = _fed(0.200, 0.0, 0.001)
+    sched.step_cost.coef[1] = 0.0  # (the fit: 9e-10)
+    assert sched.step_cost.decodes_within(TARGET_MS / 1e3) == 0
+    _decoding(sched, [_req("a", max_tokens=20) for _ in range(8)])
+    sched.add(_req("b", prompt_len=64, max_tokens=5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        while sched.has_unfinished():
+            fake_step(sched, 1024)
+    assert sched.num_deferred_decodes == 0
