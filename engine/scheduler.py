@@ -115,6 +115,8 @@ class Scheduler:
         self.num_deferred_decodes = 0  # decodes a step left for a later one, for another client's share (itl_slo_ms)
         # a client over its share of decodes: its running requests, next to decode first (`_deferred_decodes`)
         self.turns: dict[Hashable, OrderedDict[Request, None]] = {}
+        # a client whose share of the step holds prompt time: its prompt tokens, which others' prefills leave it
+        self.prompt_reserve: dict[Hashable, int] = {}
         self.num_shared_steps = 0  # steps whose decodes were shared: whose turn an uneven split's extra decode is
         self.clients: Counter[Hashable] = Counter()  # unfinished (waiting or running) requests per client
         self.granted: Request | None = None  # the waiting request `_rebalance` took a seat for: the seat is its
@@ -158,10 +160,14 @@ class Scheduler:
                     decodes, self._next_prompt_context(), self.config.itl_slo_ms / 1e3, floor=floor, cap=budget,
                     extra_s=extra, eager_from=None if graphs is None else graphs.eager_from(decodes, draft_tokens))
             self.prompt_budget = budget
-            budget = self._schedule_partial_prefills(batch, budget)
+            cut: list[tuple[Request, int]] = []  # (prompts under way that others' reserves cut, and their chunks)
+            budget = self._schedule_partial_prefills(batch, budget, cut)
             # NOTE: after the running requests took their blocks, so this step's preemptions gate its admissions
             self.pressure.observe(self.num_preemptions, self.bm.num_free_blocks, len(self.running))
+            before = batch.num_tokens if cut else 0
             self._admit(batch, budget, chunked=True)
+            if cut:
+                self._top_up(batch, cut, budget - (batch.num_tokens - before))
         elif policy == "prefill_first":
             if not self._admit(batch, self.whole_prompt_budget, chunked=False):
                 self._schedule_decodes(batch, self.config.max_num_batched_tokens, drafts, graphs)
@@ -223,7 +229,9 @@ class Scheduler:
         others' decodes leave. A client over its share decodes at most its share, its streams taking turns (`turns`:
         a queue of its running requests, new ones at its back; those that decode go to its back, one that cannot
         decode this step keeps its place). Empty with one client, while everything fits, or where sharing would
-        leave no client all it wants."""
+        leave no client all it wants. The prompt time a client's share holds is kept for its prompts in the step's
+        prompt budget (`prompt_reserve`): another client's prompt under way takes what the others' reserves leave."""
+        self.prompt_reserve = {}
         if self.config.itl_slo_ms is None or len(self.clients) < 2:
             return set()
         capacity = self.step_cost.decodes_within(self.config.itl_slo_ms / 1e3)
@@ -253,7 +261,11 @@ class Scheduler:
                 if room > 0 and n > 0:
                     demands[client] = demands.get(client, 0) + math.ceil(min(n, room))
             shares = decode_shares(demands, capacity, self.num_shared_steps)
-            if shares is None and demands != decodes:  # (as without the prompts: the decodes alone may split)
+            if shares is not None:
+                # (a client the equal split left no room for has no demand, so no share)
+                self.prompt_reserve = self._reserve(prompts, {c: shares[c] - decodes.get(c, 0) for c in wanted
+                                                              if c in shares})
+            elif demands != decodes:  # (as without the prompts: the decodes alone may split)
                 shares = decode_shares(decodes, capacity, self.num_shared_steps)
         turns, self.turns = self.turns, {}
         if shares is None:
@@ -276,6 +288,20 @@ class Scheduler:
             self.turns[client] = queue
         self.num_deferred_decodes += len(deferred)
         return deferred
+
+    def _reserve(self, prompts: list[tuple[Request, int, int]], room: dict[Hashable, int]) -> dict[Hashable, int]:
+        """The prompt tokens of `prompts` that fit in each client's `room` (decodes' time), chunk by chunk in order."""
+        reserve: dict[Hashable, int] = {}
+        for req, tokens, context in prompts:
+            left = room.get(req.client, 0)
+            if left <= 0:
+                continue
+            cost = self.step_cost.decodes_for(tokens, context)
+            n = tokens if cost <= left else min(tokens, self.step_cost.tokens_for(left, context))
+            room[req.client] = left - cost
+            if n > 0:
+                reserve[req.client] = reserve.get(req.client, 0) + n
+        return reserve
 
     def _prompts(self) -> list[tuple[Request, int, int]]:
         """The prompt chunks this step may compute, as (request, tokens, tokens already computed or cached): the
@@ -336,21 +362,60 @@ class Scheduler:
         """Tokens the draft model must compute before these requests draft (0 with prompt lookup)."""
         return 0 if self.spec.lookup else sum(r.num_tokens - r.num_draft_computed for r in reqs)
 
-    def _schedule_partial_prefills(self, batch: Batch, budget: int) -> int:
-        partial = 0
+    def _schedule_partial_prefills(self, batch: Batch, budget: int, cut: list[tuple[Request, int]]) -> int:
+        """The next chunks of the prompts under way, in admission order, each leaving the tokens other clients'
+        shares hold (`prompt_reserve`; those cut for them, with the chunk they wanted, go in `cut`); returns the budget
+        left for `_admit`."""
+        partial, reserve = 0, self.prompt_reserve
         for req in list(self.running):
             if partial >= self.config.max_num_partial_prefills or budget <= 0 or len(batch) >= self.config.max_num_seqs:
                 break
             if req.status is not Status.RUNNING or not req.is_prefilling:
                 continue  # preempted meanwhile, or decoding
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_limit(req))
+            mine = reserve.get(req.client, 0)
+            others = sum(reserve.values()) - mine
+            want = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_limit(req))
+            n = min(want, budget - others)
+            if n < want:
+                cut.append((req, want))
             if n <= 0:
-                continue  # (its prompt's logprobs: this step has rows for no more)
+                continue  # (its prompt's logprobs: this step has rows for no more; or the rest is others' share)
             if self._allocate_or_preempt(req, n, batch):
                 self._add(batch, req, n)
                 budget -= n
                 partial += 1
+                if mine:
+                    reserve[req.client] = max(0, mine - n)
         return budget
+
+    def _top_up(self, batch: Batch, cut: list[tuple[Request, int]], budget: int) -> None:
+        """After `_admit`: the `budget` it left (a reserve for a prompt it passed over: the partial-prefill limit, its
+        next block another prompt's in this step, no blocks, no rows for its logprobs) goes back to the prompts under
+        way that others' reserves cut, up to the chunk each wanted, preempting no one; so a reserve its client cannot
+        use does not hold back the prompts it cut."""
+        admitted = set(batch.admitted)
+        partial = sum(1 for r in batch.reqs if r.is_prefilling and r not in admitted)
+        for req, want in cut:
+            if budget <= 0:
+                return
+            if req.status is not Status.RUNNING:
+                continue  # (preempted by a later request of this step)
+            i = batch.reqs.index(req) if req in batch else None
+            have = 0 if i is None else batch.num_new_tokens[i]
+            n = min(want - have, budget, self.prompt_rows if req.wants_prompt_logprobs else budget)
+            if n <= 0 or (i is None and (len(batch) >= self.config.max_num_seqs
+                                         or partial >= self.config.max_num_partial_prefills)):
+                continue
+            if not self.bm.allocate(req, have + n):
+                continue
+            if i is None:
+                self._add(batch, req, n)
+                partial += 1
+            else:
+                batch.num_new_tokens[i] += n
+                if req.wants_prompt_logprobs:
+                    self.prompt_rows -= n
+            budget -= n
 
     def _admit(self, batch: Batch, budget: int, chunked: bool) -> int:
         """Admits waiting requests first-come-first-served; returns how many were admitted. Under `mixed`, a prompt

@@ -132,6 +132,11 @@ class StepCost(LinearFit):
         c1, c2, c3 = self.coef[1:4]
         return (c2 * tokens + c3 * attention_work(tokens, context)) / c1
 
+    def tokens_for(self, decodes: float, context: int) -> int:
+        """The most prompt tokens, as one chunk after `context` computed ones, that take no more than the time of
+        `decodes` decodes (the inverse of `decodes_for`)."""
+        return int(min(self._tokens(decodes * self.coef[1], context), 1 << 30))
+
     def _tokens(self, room: float, context: int) -> float:
         """The most prompt tokens, as one chunk after `context` computed ones, whose cost fits in `room` seconds
         (0 where none does; infinite where they cost nothing)."""

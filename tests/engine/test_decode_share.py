@@ -316,6 +316,71 @@ def test_a_newcomer_behind_another_clients_queue_gets_its_share() -> None:
     assert steps <= 12, steps
 
 
+def test_another_clients_prompt_under_way_leaves_a_newcomer_its_share() -> None:
+    """a's 64 streams decode and its 600-token prompt is mid-prefill when b's 64-token prompt arrives. a's streams
+    make room for b's share, and b's prompt takes it: b's first token comes in the 2nd step, as with no prompt of a's
+    under way, and every step meets the target. Before, a's prompt, scheduled first, took the room: a's streams were
+    deferred for b all the same, and b's first token took 18 steps (the item a review left open)."""
+    sched = _sched()
+    sched.step_cost = _fed(0.010, 0.002, 0.001)
+    _decoding(sched, [_req("a", max_tokens=300) for _ in range(64)], 4096)
+    long = _req("a", prompt_len=600, max_tokens=5)
+    sched.add(long)
+    fake_step(sched, 4096)
+    assert 0 < long.num_computed_tokens < 600
+    b = _req("b", prompt_len=64, max_tokens=3)
+    sched.add(b)
+    steps = 0
+    while not b.num_output_tokens:
+        rec = fake_step(sched, 4096)
+        steps += 1
+        tokens = {r: n for r, n, _ in rec.entries}
+        decodes = sum(1 for r in rec.reqs if not r.is_prefilling and r is not b and r is not long)
+        assert sched.step_cost.predict(decodes, tokens.get(b, 0) + tokens.get(long, 0), 0.0) \
+            <= HEADROOM * TARGET_MS / 1e3 + 1e-6, "meets the target"
+    assert steps == 2, steps
+    while not long.num_output_tokens:
+        fake_step(sched, 4096)  # (a's prompt goes on once b's is done)
+    assert sched.prompt_reserve == {}
+
+
+def test_a_reserve_the_newcomer_cannot_use_goes_back_to_the_prompt_under_way() -> None:
+    """max_num_partial_prefills=1: a's 2000-token prompt is mid-prefill when b's 300-token prompt arrives. b's share
+    is reserved, but b cannot start while a's prompt is under way (the one partial prefill), so the reserve goes back
+    to a's prompt, which goes on as without the reserve. Before, a's prompt took the budget less b's reserve: none
+    here (its deep chunk, attention making it dear, priced the step's budget; b's reserve is priced at context 0), and
+    a's prompt and b's first token waited ~1,100 steps, for a's streams to end (found by a review)."""
+    sched = make(max_model_len=8192, max_num_seqs=256, num_blocks=4096, itl_slo_ms=TARGET_MS,
+                 max_num_partial_prefills=1)
+    sched.step_cost = _fed(0.010, 0.002, 0.001, 0.5)
+    _decoding(sched, [_req("a", max_tokens=300) for _ in range(64)], 8192)
+    long = _req("a", prompt_len=2000, max_tokens=5)
+    sched.add(long)
+    fake_step(sched, 8192)
+    b = _req("b", prompt_len=300, max_tokens=3)
+    sched.add(b)
+    steps = 0
+    while not b.num_output_tokens:
+        rec = fake_step(sched, 8192)
+        steps += 1
+        assert long in rec.reqs or not long.is_prefilling, "a's prompt goes on every step"
+    assert steps < 150, steps
+
+
+def test_a_client_an_equal_split_leaves_no_room_wants_no_reserve() -> None:
+    """Two decodes fit the target, three clients: c's new prompt gets no room from the equal split (2 // 3 = 0), so
+    no demand, no share and no reserve (before: a KeyError in `_deferred_decodes`, an engine step raising; found by a
+    review)."""
+    sched = make(max_num_seqs=16, num_blocks=256, itl_slo_ms=TARGET_MS)
+    sched.step_cost = _fed(0.010, 0.030, 0.00001)  # (80 - 10) / 30: 2 decodes fit
+    reqs = _decoding(sched, [_req("a", max_tokens=50) for _ in range(3)] + [_req("b", max_tokens=50)])
+    c = _req("c", prompt_len=40, max_tokens=5)
+    sched.add(c)
+    while sched.has_unfinished():
+        fake_step(sched, 1024)
+    assert c.num_output_tokens == 5 and all(r.num_output_tokens == 50 for r in reqs)
+
+
 def test_a_prompt_whose_chunk_has_no_blocks_defers_nothing() -> None:
     """b's prompt is stuck mid-prefill in a small pool, its next chunk waiting for a's blocks: it wants no share
     (before, its demand deferred one of a's two streams every step, for nothing, and slowed the blocks it waited

@@ -34,6 +34,11 @@ def test_the_fit_recovers_the_cost_and_the_budget_meets_the_target() -> None:
     with_drafts = cost.prompt_budget(16, 0, 0.100, 16, 2048, extra_s=0.005)
     assert cost.predict(16, with_drafts, attention_work(with_drafts, 0)) + 0.005 <= HEADROOM * 0.100
     assert cost.predict(16, with_drafts + 1, attention_work(with_drafts + 1, 0)) + 0.005 > HEADROOM * 0.100
+    # a prompt chunk priced in decodes, and back: the most tokens whose time is within so many decodes'
+    for context in (0, 3000):
+        for decodes in (0.5, 1, 7.25, 40):
+            n = cost.tokens_for(decodes, context)
+            assert cost.decodes_for(n, context) <= decodes + 1e-9 < cost.decodes_for(n + 1, context)
 
 
 def test_noise_still_gives_a_budget_near_the_truth() -> None:
