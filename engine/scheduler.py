@@ -229,8 +229,10 @@ class Scheduler:
         others' decodes leave. A client over its share decodes at most its share, its streams taking turns (`turns`:
         a queue of its running requests, new ones at its back; those that decode go to its back, one that cannot
         decode this step keeps its place). Empty with one client, while everything fits, or where sharing would
-        leave no client all it wants. The prompt time a client's share holds is kept for its prompts in the step's
-        prompt budget (`prompt_reserve`): another client's prompt under way takes what the others' reserves leave."""
+        leave no client all it wants. The prompt time a client's share holds (all it wants, where everything fits) is
+        kept for its prompts in the step's prompt budget (`prompt_reserve`): another client's prompt under way takes
+        what the others' reserves leave. The decodes leave at least the time of the block of prompt a step always
+        takes (`schedule`'s floor), so a crowd's long prompt under way does not push the step past the target."""
         self.prompt_reserve = {}
         if self.config.itl_slo_ms is None or len(self.clients) < 2:
             return set()
@@ -260,13 +262,18 @@ class Scheduler:
                 room = cap - decodes.get(client, 0)
                 if room > 0 and n > 0:
                     demands[client] = demands.get(client, 0) + math.ceil(min(n, room))
-            shares = decode_shares(demands, capacity, self.num_shared_steps)
-            if shares is not None:
+            shares, granted = self._split(demands, decodes, capacity)
+            # a step with a prompt takes at least a block of it (`schedule`'s floor): where the decodes would leave
+            # less than its time, they are split again in what is left beside it
+            floor = max((self.step_cost.decodes_for(min(n, self.bm.block_size), context)
+                         for _, n, context in prompts), default=0.0)
+            running = sum(decodes.values()) if shares is None else sum(min(shares[c], n) for c, n in decodes.items())
+            if capacity - running < floor:
+                shares, granted = self._split(demands, decodes, math.floor(capacity - floor))
+            if granted is not None:
                 # (a client the equal split left no room for has no demand, so no share)
-                self.prompt_reserve = self._reserve(prompts, {c: shares[c] - decodes.get(c, 0) for c in wanted
-                                                              if c in shares})
-            elif demands != decodes:  # (as without the prompts: the decodes alone may split)
-                shares = decode_shares(decodes, capacity, self.num_shared_steps)
+                self.prompt_reserve = self._reserve(prompts, {c: granted[c] - decodes.get(c, 0) for c in wanted
+                                                              if c in granted})
         turns, self.turns = self.turns, {}
         if shares is None:
             return set()
@@ -288,6 +295,17 @@ class Scheduler:
             self.turns[client] = queue
         self.num_deferred_decodes += len(deferred)
         return deferred
+
+    def _split(self, demands: dict[Hashable, int], decodes: dict[Hashable, int],
+               capacity: int) -> tuple[dict[Hashable, int] | None, dict[Hashable, int] | None]:
+        """`decode_shares` of `capacity` by `demands` (decodes and prompt time), or where no such split can be made,
+        of the decodes alone; and what each client is granted: its share, or all it wants where everything fits (so a
+        long prompt under way, its own part counted, takes no more than that from the others' prompts), or None."""
+        shares = decode_shares(demands, capacity, self.num_shared_steps)
+        granted = shares if shares is not None else demands if sum(demands.values()) <= capacity else None
+        if shares is None and demands != decodes:  # (as without the prompts: the decodes alone may split)
+            shares = decode_shares(decodes, capacity, self.num_shared_steps)
+        return shares, granted
 
     def _reserve(self, prompts: list[tuple[Request, int, int]], room: dict[Hashable, int]) -> dict[Hashable, int]:
         """The prompt tokens of `prompts` that fit in each client's `room` (decodes' time), chunk by chunk in order."""

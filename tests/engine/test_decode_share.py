@@ -12,7 +12,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.request import Request
 from engine.scheduler import Batch, decode_shares
-from engine.step_cost import HEADROOM
+from engine.step_cost import HEADROOM, attention_work
 from tests.engine.test_fair_share import _req
 from tests.engine.test_scheduler import fake_step, make
 from tests.engine.test_step_cost import _fed
@@ -342,6 +342,45 @@ def test_another_clients_prompt_under_way_leaves_a_newcomer_its_share() -> None:
     while not long.num_output_tokens:
         fake_step(sched, 4096)  # (a's prompt goes on once b's is done)
     assert sched.prompt_reserve == {}
+
+
+def test_where_everything_fits_a_prompt_under_way_still_leaves_a_newcomer_its_part() -> None:
+    """a's 8 streams and b's 16-token prompt want less than the 35 decodes the target holds, so nothing is split,
+    but a's 600-token prompt is under way too, and the step's prompt room after the decodes (54 tokens) was all
+    its: b's first token waited for a's whole prompt (11 steps). Its part is kept for it: the first step."""
+    sched = _sched()
+    sched.step_cost = _fed(0.010, 0.002, 0.001)
+    _decoding(sched, [_req("a", max_tokens=300) for _ in range(8)], 4096)
+    long = _req("a", prompt_len=600, max_tokens=5)
+    sched.add(long)
+    fake_step(sched, 4096)
+    assert 0 < long.num_computed_tokens < 600
+    b = _req("b", prompt_len=16, max_tokens=3)
+    sched.add(b)
+    rec = fake_step(sched, 4096)
+    assert b.num_output_tokens == 1 and long in rec.reqs and sched.num_deferred_decodes == 0
+
+
+def test_the_decodes_leave_the_time_of_the_block_a_prompt_takes_every_step() -> None:
+    """b streams beside a's 64 streams while a's 1,500-token prompt is under way. A step's prompt room is at least
+    a block (prompts always advance), and deep in a long prompt a block costs several decodes' time: the split leaves
+    it, so every step meets the target. Before, a's share took every decode the target held, and a's block came on
+    top of it: steps up to ~1.2x the aim (`neighbour`, mixed@slo +prompt: b's ITL p50 over the target)."""
+    sched = _sched()
+    sched.step_cost = _fed(0.010, 0.002, 0.0002, 0.5)  # a block at context 1,000: 16 * 1000 * 0.5 / 1e6 s, 4 decodes
+    *crowd, chat = _decoding(sched, [*(_req("a", max_tokens=400) for _ in range(64)), _req("b", max_tokens=400)],
+                             4096)
+    long = _req("a", prompt_len=1500, max_tokens=2)
+    sched.add(long)
+    worst = 0.0
+    while long.is_prefilling or not long.num_output_tokens:
+        rec = fake_step(sched, 4096)
+        assert chat in rec.reqs, "b decodes every step"
+        decodes = sum(1 for r, _, _ in rec.entries if r is not long)
+        tokens = {r: n for r, n, _ in rec.entries}.get(long, 0)
+        seconds = sched.step_cost.predict(decodes, tokens, attention_work(tokens, long.num_computed_tokens - tokens))
+        worst = max(worst, seconds / (HEADROOM * TARGET_MS / 1e3))
+    assert worst <= 1 + 1e-6, worst
 
 
 def test_a_reserve_the_newcomer_cannot_use_goes_back_to_the_prompt_under_way() -> None:
