@@ -17,7 +17,7 @@ ROW_KEYS = ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl
 SYSTEMS = {
     "offline": {"sluice-mixed", "sluice-prefill_first", "sluice-static", "transformers-static", "transformers-cb"},
     "stall": {"mixed@128", "mixed@256", "mixed@512", "mixed@slo", "prefill_first", "static"},
-    "neighbour": {"mixed", "mixed@slo", "mixed kv25%", "mixed@slo kv40%"},
+    "neighbour": {"mixed", "mixed@slo", "mixed kv25%", "mixed@slo kv40%", "mixed +prompt", "mixed@slo +prompt"},
     "prefix": {"prefix-cache-on", "prefix-cache-off"},
     "tiers": {"host-tier", "device-only"},
     "grammar": {"masks-off-step", "masks-in-step"},
