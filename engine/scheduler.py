@@ -420,19 +420,14 @@ class Scheduler:
                 continue  # (preempted by a later request of this step)
             i = batch.reqs.index(req) if req in batch else None
             have = 0 if i is None else batch.num_new_tokens[i]
-            n = min(want - have, budget, self.prompt_rows if req.wants_prompt_logprobs else budget)
+            n = min(want - have, budget, self._chunk_limit(req))  # (its prompt's logprobs: the rows left)
             if n <= 0 or (i is None and (len(batch) >= self.config.max_num_seqs
                                          or partial >= self.config.max_num_partial_prefills)):
                 continue
             if not self.bm.allocate(req, have + n):
                 continue
-            if i is None:
-                self._add(batch, req, n)
-                partial += 1
-            else:
-                batch.num_new_tokens[i] += n
-                if req.wants_prompt_logprobs:
-                    self.prompt_rows -= n
+            self._add(batch, req, n)
+            partial += i is None
             budget -= n
 
     def _admit(self, batch: Batch, budget: int, chunked: bool) -> int:
@@ -586,7 +581,11 @@ class Scheduler:
         return min(req.num_tokens - computed, self._chunk_limit(req))
 
     def _add(self, batch: Batch, req: Request, n: int) -> None:
-        batch.add(req, n)
+        """`n` of `req`'s prompt tokens into `batch` (more of them where it is in already: `_top_up`)."""
+        if req in batch:
+            batch.num_new_tokens[batch.reqs.index(req)] += n
+        else:
+            batch.add(req, n)
         if req.wants_prompt_logprobs:
             self.prompt_rows -= n
 

@@ -316,6 +316,16 @@ def test_a_newcomer_behind_another_clients_queue_gets_its_share() -> None:
     assert steps <= 12, steps
 
 
+def _prompt_under_way(sched, streams: int, prompt_len: int, max_model_len: int = 4096) -> Request:
+    """a's `streams` decoding, then a's prompt of `prompt_len` tokens, its first chunk computed (returned)."""
+    _decoding(sched, [_req("a", max_tokens=300) for _ in range(streams)], max_model_len)
+    long = _req("a", prompt_len=prompt_len, max_tokens=5)
+    sched.add(long)
+    fake_step(sched, max_model_len)
+    assert 0 < long.num_computed_tokens < prompt_len
+    return long
+
+
 def test_another_clients_prompt_under_way_leaves_a_newcomer_its_share() -> None:
     """a's 64 streams decode and its 600-token prompt is mid-prefill when b's 64-token prompt arrives. a's streams
     make room for b's share, and b's prompt takes it: b's first token comes in the 2nd step, as with no prompt of a's
@@ -323,11 +333,7 @@ def test_another_clients_prompt_under_way_leaves_a_newcomer_its_share() -> None:
     deferred for b all the same, and b's first token took 18 steps (the item a review left open)."""
     sched = _sched()
     sched.step_cost = _fed(0.010, 0.002, 0.001)
-    _decoding(sched, [_req("a", max_tokens=300) for _ in range(64)], 4096)
-    long = _req("a", prompt_len=600, max_tokens=5)
-    sched.add(long)
-    fake_step(sched, 4096)
-    assert 0 < long.num_computed_tokens < 600
+    long = _prompt_under_way(sched, 64, 600)
     b = _req("b", prompt_len=64, max_tokens=3)
     sched.add(b)
     steps = 0
@@ -350,11 +356,7 @@ def test_where_everything_fits_a_prompt_under_way_still_leaves_a_newcomer_its_pa
     its: b's first token waited for a's whole prompt (11 steps). Its part is kept for it: the first step."""
     sched = _sched()
     sched.step_cost = _fed(0.010, 0.002, 0.001)
-    _decoding(sched, [_req("a", max_tokens=300) for _ in range(8)], 4096)
-    long = _req("a", prompt_len=600, max_tokens=5)
-    sched.add(long)
-    fake_step(sched, 4096)
-    assert 0 < long.num_computed_tokens < 600
+    long = _prompt_under_way(sched, 8, 600)
     b = _req("b", prompt_len=16, max_tokens=3)
     sched.add(b)
     rec = fake_step(sched, 4096)
@@ -392,10 +394,7 @@ def test_a_reserve_the_newcomer_cannot_use_goes_back_to_the_prompt_under_way() -
     sched = make(max_model_len=8192, max_num_seqs=256, num_blocks=4096, itl_slo_ms=TARGET_MS,
                  max_num_partial_prefills=1)
     sched.step_cost = _fed(0.010, 0.002, 0.001, 0.5)
-    _decoding(sched, [_req("a", max_tokens=300) for _ in range(64)], 8192)
-    long = _req("a", prompt_len=2000, max_tokens=5)
-    sched.add(long)
-    fake_step(sched, 8192)
+    long = _prompt_under_way(sched, 64, 2000, 8192)
     b = _req("b", prompt_len=300, max_tokens=3)
     sched.add(b)
     steps = 0
