@@ -75,7 +75,7 @@ def kernel_path() -> str:
         return "triton"
     if kernels.MODE == "torch" or not (kernels.cpu.loaded() or kernels.cpu.load(kernel_cache_dir())):
         return "torch"  # as the engine does: it loads the same build (a server subprocess too)
-    return "native, AMX prefill" if kernels.cpu.amx() else "native, SDPA prefill"
+    return "native, " + {"amx": "AMX", "avx512-bf16": "AVX512-BF16"}.get(kernels.cpu.prefill(), "SDPA") + " prefill"
 
 
 def host_slug(host: dict | None = None) -> str:

@@ -7,8 +7,8 @@ serve. The ops have the twins' signatures and contracts, plus `lib=` for tests t
 from __future__ import annotations
 
 from sluice_kernels.cpu.attention import gather_kv, paged_attention
-from sluice_kernels.cpu.binding import Native, amx, load, loaded, supports
+from sluice_kernels.cpu.binding import Native, load, loaded, prefill, supports
 from sluice_kernels.cpu.elementwise import rms_norm, rotary_embedding, silu_and_mul, store_kv
 
-__all__ = ["Native", "amx", "gather_kv", "load", "loaded", "paged_attention", "rms_norm", "rotary_embedding",
+__all__ = ["Native", "gather_kv", "load", "loaded", "paged_attention", "prefill", "rms_norm", "rotary_embedding",
            "silu_and_mul", "store_kv", "supports"]

@@ -2,9 +2,9 @@
 
 The torch twin gathers every sequence's KV blocks into a fresh tensor per layer and then runs SDPA; on
 CPU that copy was most of a decode step. Prefill chunks longer than `MAX_Q_LEN` go, in bf16 on CPUs
-with AMX, to `csrc/prefill_attention_amx.cpp` (one pass over the paged context in tile matmuls);
-elsewhere they gather and take CPU SDPA's flash kernel, twice (context, then the chunk itself, causal),
-merged. A quantized cache (int8, fp8) is read in place by the native kernel; prefill chunks gather it
+with AMX or AVX512-BF16, to `csrc/prefill_attention_cpu.cpp` (one pass over the paged context in tile matmuls:
+AMX's, or vdpbf16ps's rows of them); elsewhere they gather and take CPU SDPA's flash kernel, twice (context, then
+the chunk itself, causal), merged. A quantized cache (int8, fp8) is read in place by the native kernel; prefill chunks gather it
 dequantized. Bad inputs raise before anything is read.
 """
 from __future__ import annotations
@@ -111,7 +111,8 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """n new tokens at positions L-n..L-1 of one sequence -> [n, Hq, D].
 
-    bf16 with AMX and a head dim that is a multiple of 64 (up to 256): the native AMX kernel, one pass.
+    bf16 with AMX and a head dim that is a multiple of 64 (up to 256), or with AVX512-BF16 and one of 32: the native
+    kernel, one pass (`Native.prefill`).
     Otherwise SDPA's flash kernel; its causal mask is aligned top-left, a chunk's is bottom-right, so
     instead of an n x L mask (built per layer, and no masked tile skipped) this runs two flash passes:
     the chunk over its cached context (no mask) and over itself (causal, which is then aligned), merged
@@ -127,13 +128,14 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         k, v = (reference._gather(c, table, nblk, q.dtype, s)[:, :L].transpose(1, 2).contiguous()
                 for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
         return _flash_two_pass(q, k, v, L, scale)
-    if k_scale is None and lib.amx and q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 256:
+    D, amx = q.shape[-1], lib.prefill == "amx"
+    if k_scale is None and lib.prefill and q.dtype == torch.bfloat16 and D % (64 if amx else 32) == 0 and D <= 256:
         out = torch.empty_like(q)
-        nb, bs, Hkv, D = k_cache.shape
+        nb, bs, Hkv, _ = k_cache.shape
         table = table.contiguous()
         err = lib.prefill_attention(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     table.data_ptr(), table.shape[0], n, L, q.shape[1], Hkv, D, bs, nb, float(scale),
-                                    torch.get_num_threads())
+                                    torch.get_num_threads(), amx)
         if err == 0:
             return out
         if err != UNSUPPORTED:

@@ -23,7 +23,8 @@ ERRORS = {
     1: "a block table entry is outside the KV cache",
     2: "a sequence's query length or context does not fit its block table",
 }
-UNSUPPORTED = 3  # prefill_attention: no AMX in this build or process
+UNSUPPORTED = 3  # prefill_attention: not in this build or process
+PREFILL = {2: "amx", 1: "avx512-bf16", 0: ""}  # sluice_prefill_attention_available(): how bf16 chunks multiply
 # fp16 elementwise ops stay on the twins: without a vector fp16 conversion the native loops run scalar.
 OP_DTYPES = {"paged_attention": set(DTYPES), "default": {torch.float32, torch.bfloat16}}
 
@@ -40,7 +41,9 @@ class Native:
     silu_and_mul: ctypes._CFuncPtr
     gather_kv: ctypes._CFuncPtr
     prefill_attention: ctypes._CFuncPtr
-    amx: bool  # prefill_attention can run: built with AMX, and the OS granted the tile state
+    # how prefill_attention multiplies: "amx" (built with AMX, and the OS granted the tile state), "avx512-bf16"
+    # (vdpbf16ps), or "" (neither: bf16 prefill chunks take SDPA)
+    prefill: str
 
 
 _lib: Native | None = None  # set by load()
@@ -66,8 +69,8 @@ def bind(so: Path) -> Native:
         silu_and_mul=fn("sluice_silu_and_mul", ptr, ptr, i32, i64, i64, i32),
         gather_kv=fn("sluice_gather_kv", ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i32),
         prefill_attention=fn("sluice_prefill_attention", ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
-                             i64, f32, i32),
-        amx=bool(fn("sluice_prefill_attention_available")()),
+                             i64, f32, i32, i32),
+        prefill=PREFILL[fn("sluice_prefill_attention_available")()],
     )
 
 
@@ -82,7 +85,8 @@ def load(cache_dir: Path, cxx: str | None = None) -> bool:
         detail = (getattr(e, "stderr", None) or str(e)).strip()[-2000:]
         log.warning("native CPU kernels unavailable, the slower torch path serves: %s", detail)
         return False
-    log.info("native CPU kernels loaded; bf16 prefill chunks run on %s", "AMX tiles" if _lib.amx else "SDPA (no AMX)")
+    log.info("native CPU kernels loaded; bf16 prefill chunks run on %s",
+             {"amx": "AMX tiles", "avx512-bf16": "AVX512-BF16"}.get(_lib.prefill, "SDPA"))
     return True
 
 
@@ -90,9 +94,10 @@ def loaded() -> bool:
     return _lib is not None
 
 
-def amx() -> bool:
-    """Whether bf16 prefill chunks run on the AMX kernel in this process (built with AMX, tiles granted)."""
-    return _lib is not None and _lib.amx
+def prefill() -> str:
+    """How bf16 prefill chunks run in this process: "amx", "avx512-bf16" (the native kernel, `Native.prefill`) or
+    "" (SDPA)."""
+    return "" if _lib is None else _lib.prefill
 
 
 def supports(op: str, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 log = logging.getLogger("sluice.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "prefill_attention_amx.cpp", CSRC / "elementwise_cpu.cpp")
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "prefill_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp")
 HEADERS = (CSRC / "cpu_common.h",)
 # -Wno-maybe-uninitialized: GCC 12 flags its own _mm512_undefined_ps() inside the AVX-512 intrinsics
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-Wall", "-Wno-maybe-uninitialized")

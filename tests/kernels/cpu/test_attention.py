@@ -112,50 +112,59 @@ def test_gather_kv_is_the_twins_gather_head_major(native_builds, dtype):
         attention.gather_kv(b.k_cache, b.v_cache, table, 8 * table.shape[0] + 1, lib=native_builds["native"])
 
 
-# -- prefill chunks on AMX (csrc/prefill_attention_amx.cpp) -----------------------------------------------
+# -- prefill chunks in one native pass (csrc/prefill_attention_cpu.cpp): AMX tiles, or vdpbf16ps ---------------
 
 CHUNKS = [(17, 0), (40, 9), (64, 1), (100, 300), (240, 1800), (300, 0)]  # (new tokens, cached before them)
+PREFILL = ["amx", "avx512-bf16"]
 
 
-def _amx(native_builds) -> Native:
+def _prefill(native_builds, kind: str) -> Native:
+    """The default build, its prefill kernel set to `kind`; skips where this CPU has not got it (a CPU with AMX
+    has AVX512-BF16 too, so both run there)."""
     lib = native_builds["native"]
-    if not lib.amx:
-        pytest.skip("this CPU (or kernel) has no AMX: prefill chunks take the SDPA path, tested above")
-    return lib
+    if lib.prefill == "" or (kind == "amx" and lib.prefill != "amx"):
+        pytest.skip(f"this CPU (or kernel) cannot run {kind}: prefill chunks take the SDPA path, tested above")
+    return dataclasses.replace(lib, prefill=kind)
 
 
 def _no_sdpa(monkeypatch) -> None:
-    """The AMX kernel reads the paged cache itself: the SDPA path's gather must not run."""
+    """The native kernel reads the paged cache itself: the SDPA path's gather must not run."""
     def refuse(*args, **kwargs):
         raise AssertionError("the SDPA path ran")
     monkeypatch.setattr(attention, "gather_kv", refuse)
 
 
+@pytest.mark.parametrize("kind", PREFILL)
 @pytest.mark.parametrize("n,cached", CHUNKS, ids=[f"{n}on{c}" for n, c in CHUNKS])
-@pytest.mark.parametrize("heads,head_dim", [((8, 4), 64), ((8, 1), 128), ((6, 3), 64), ((4, 4), 256)],
-                         ids=["gqa2-d64", "gqa8-d128", "gqa2-odd-d64", "mha-d256"])
+@pytest.mark.parametrize("heads,head_dim", [((8, 4), 64), ((8, 1), 128), ((6, 3), 64), ((4, 4), 256), ((4, 2), 32)],
+                         ids=["gqa2-d64", "gqa8-d128", "gqa2-odd-d64", "mha-d256", "gqa2-d32"])
 @pytest.mark.parametrize("block_size", [16, 24])
-def test_prefill_chunks_on_amx_equal_the_twin(native_builds, monkeypatch, n, cached, heads, head_dim, block_size):
+def test_prefill_chunks_in_one_pass_equal_the_twin(native_builds, monkeypatch, kind, n, cached, heads, head_dim,
+                                                   block_size):
     """Whole prompts (cached = 0: the first query sees one key) and chunks over short and long contexts,
-    next to decodes; 24-token blocks put a block boundary inside the 16-key tiles."""
-    lib = _amx(native_builds)
-    _no_sdpa(monkeypatch)
+    next to decodes; 24-token blocks put a block boundary inside the 16-key tiles. A head dim of 32 is
+    AVX512-BF16's only (AMX's tiles take 64 at a time: SDPA serves it)."""
+    lib = _prefill(native_builds, kind)
+    if head_dim % 64 == 0 or kind != "amx":
+        _no_sdpa(monkeypatch)
     b = _cpu(paged_batch([1, n, 3], [50, cached, 7], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                          block_size=block_size, dtype=torch.bfloat16))
     _check(lib, b)
 
 
-def test_amx_agrees_with_the_sdpa_path_it_replaces(native_builds):
-    lib = _amx(native_builds)
+@pytest.mark.parametrize("kind", PREFILL)
+def test_one_pass_agrees_with_the_sdpa_path_it_replaces(native_builds, kind):
+    lib = _prefill(native_builds, kind)
     b = _cpu(paged_batch([240, 1], [1000, 30], num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                          dtype=torch.bfloat16))
-    amx = attention.paged_attention(*b.args(), 0.125, lib=lib)
-    sdpa = attention.paged_attention(*b.args(), 0.125, lib=dataclasses.replace(lib, amx=False))
-    torch.testing.assert_close(amx, sdpa, atol=1e-2, rtol=1e-2)
+    one = attention.paged_attention(*b.args(), 0.125, lib=lib)
+    sdpa = attention.paged_attention(*b.args(), 0.125, lib=dataclasses.replace(lib, prefill=""))
+    torch.testing.assert_close(one, sdpa, atol=1e-2, rtol=1e-2)
 
 
-def test_amx_refuses_a_bad_block_before_reading(native_builds, monkeypatch):
-    lib = _amx(native_builds)
+@pytest.mark.parametrize("kind", PREFILL)
+def test_one_pass_refuses_a_bad_block_before_reading(native_builds, monkeypatch, kind):
+    lib = _prefill(native_builds, kind)
     _no_sdpa(monkeypatch)
     b = _cpu(paged_batch([40], [30], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16))
     for block in (b.k_cache.shape[0], -1):
@@ -165,7 +174,7 @@ def test_amx_refuses_a_bad_block_before_reading(native_builds, monkeypatch):
             attention.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
 
 
-def test_builds_without_amx_keep_the_sdpa_path(native_builds):
+def test_builds_without_avx512_keep_the_sdpa_path(native_builds):
     if "no-avx512" not in native_builds:
         pytest.skip("x86-only build variant")
-    assert not native_builds["no-avx512"].amx
+    assert native_builds["no-avx512"].prefill == ""

@@ -1,10 +1,10 @@
-// Prefill-chunk attention with AMX: one sequence's n new queries against its whole context of L keys
+// Prefill-chunk attention in bf16: one sequence's n new queries against its whole context of L keys
 // (the last n are the chunk itself, causal), read from the paged cache. bf16 in and out, fp32 softmax.
 //
 // The SDPA path it replaces gathers the context, runs CPU flash twice (context unmasked, chunk causal,
 // because SDPA's causal mask is aligned top-left) and merges the two by their log-sum-exps; a 240-token
 // chunk's attention cost ~1.5x its share of one whole-prompt pass that way. Here it is one pass:
-//  1. Repack, per KV head, K and V into the tile layouts AMX multiplies (VNNI: pairs of bf16 along the
+//  1. Repack, per KV head, K and V into the layouts AMX multiplies (VNNI: pairs of bf16 along the
 //     reduced dimension side by side), zero-padded to whole tiles. This replaces the gather.
 //  2. A work item is one KV head and 64 query rows; the rows are its G query heads' queries, query-major,
 //     so the rows of an item sit at a few adjacent positions and see almost the same keys, and each K or
@@ -12,8 +12,11 @@
 //     online-softmax update in AVX-512, base 2 (masked beyond each row's position, P rounded to bf16 as
 //     SDPA does); O += P V in tiles loaded from and stored to fp32 O. Key blocks past the item's last
 //     visible key are never touched.
-// Plain C ABI like the other kernels. Without AMX at build time, or where the OS refuses the tile state,
-// it answers kUnsupported and the caller keeps the SDPA path.
+// Two ways to multiply the tiles (`Amx`, `Dpbf16`): AMX's tile instructions, or AVX512-BF16's vdpbf16ps,
+// which takes the same VNNI layout one 16-column row of a tile at a time (a broadcast bf16 pair of A
+// times a row of B pairs, into 16 fp32 lanes): the CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and later,
+// Intel Cooper Lake). Plain C ABI like the other kernels. Where the build has neither, or the asked-for
+// one (AMX: the OS may refuse the tile state), it answers kUnsupported and the caller keeps the SDPA path.
 #include <omp.h>
 
 #include <algorithm>
@@ -25,24 +28,28 @@
 
 #include "cpu_common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define SLUICE_AMX 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SLUICE_BF16 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SLUICE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 #endif
 
 namespace {
 
 constexpr int kBadBlock = 1, kBadShape = 2, kUnsupported = 3;  // kernels/cpu/binding.py ERRORS
 
-#if SLUICE_AMX
+#if SLUICE_BF16
 
 using namespace sluice;
 
 constexpr int64_t QB = 64;   // query rows per work item: four tiles of 16, so each K or V tile feeds 4 multiplies
 constexpr int64_t KB = 128;  // keys per softmax step (S and P of an item then stay in L1)
 
+#if SLUICE_AMX
 bool amx_permitted() {  // Linux hands out the 8 KB tile state only on request, once per process
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return ok;
@@ -97,6 +104,99 @@ inline void load_rows4(const float* c, int64_t row_elems) {
   _tile_loadd(2, c + 32 * row_elems, stride);
   _tile_loadd(3, c + 48 * row_elems, stride);
 }
+
+// S (QB x 16 * nkt fp32, row stride KB) = the QB rows of Q at q (row stride D) times `nkt` packed K tiles from kt
+// (each KS chunks of 16 pairs x 16 keys); O (QB x D fp32, row stride D) += the QB rows of P (bf16, row stride KB)
+// times `nsl` packed 32-key V slabs from vt (each DT tiles of 16 key pairs x 16 columns).
+struct Amx {
+  static constexpr bool kWholeItems = true;
+  static void begin() { config_tiles(); }
+  static void end() { _tile_release(); }
+  static void qk(float* s, const uint16_t* q, const uint16_t* kt, int64_t nkt, int64_t KS, int64_t D, int64_t) {
+    for (int64_t t = 0; t < nkt; ++t) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* tiles = kt + t * KS * 512;
+      for (int64_t ks = 0; ks < KS; ks += 2) {  // KS is even: D is a multiple of 64
+        _tile_loadd(6, tiles + ks * 512, 64);
+        SLUICE_DP_ROWS4(6, q + ks * 32, D);
+        _tile_loadd(7, tiles + (ks + 1) * 512, 64);
+        SLUICE_DP_ROWS4(7, q + (ks + 1) * 32, D);
+      }
+      store_rows4(s + t * 16, KB);
+    }
+  }
+  static void pv(float* o, const uint16_t* p, const uint16_t* vt, int64_t nsl, int64_t DT, int64_t D, int64_t) {
+    for (int64_t dt = 0; dt < DT; ++dt) {  // one 16-column tile of O at a time for all 64 rows
+      load_rows4(o + dt * 16, D);
+      const uint16_t* v = vt + dt * 512;
+      int64_t sl = 0;
+      for (; sl + 2 <= nsl; sl += 2) {
+        _tile_loadd(6, v + sl * DT * 512, 64);
+        SLUICE_DP_ROWS4(6, p + sl * 32, KB);
+        _tile_loadd(7, v + (sl + 1) * DT * 512, 64);
+        SLUICE_DP_ROWS4(7, p + (sl + 1) * 32, KB);
+      }
+      if (sl < nsl) {
+        _tile_loadd(6, v + sl * DT * 512, 64);
+        SLUICE_DP_ROWS4(6, p + sl * 32, KB);
+      }
+      store_rows4(o + dt * 16, D);
+    }
+  }
+};
+#endif  // SLUICE_AMX
+
+// The same products with vdpbf16ps: 16 rows at a time, each an accumulator of 16 fp32 lanes (a tile row); per
+// row of B pairs (one load), every row's bf16 pair broadcast into it. Rows of an item past the last live one
+// (`rows`: the padding of the last item) are skipped.
+struct Dpbf16 {
+  static constexpr bool kWholeItems = false;
+  static void begin() {}
+  static void end() {}
+  static inline __m512bh pair(const uint16_t* x) {  // a bf16 pair broadcast to 16 lanes
+    return reinterpret_cast<__m512bh>(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
+  }
+  static inline __m512bh row(const uint16_t* x) {
+    return reinterpret_cast<__m512bh>(_mm512_loadu_si512(x));
+  }
+  static void qk(float* s, const uint16_t* q, const uint16_t* kt, int64_t nkt, int64_t KS, int64_t D,
+                 int64_t rows) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16)
+      for (int64_t t = 0; t < nkt; ++t) {
+        __m512 acc[16];
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t ks = 0; ks < KS; ++ks) {
+          const uint16_t* b = kt + (t * KS + ks) * 512;
+          const uint16_t* a = q + r0 * D + ks * 32;
+          for (int64_t k = 0; k < 16; ++k) {
+            const __m512bh bk = row(b + k * 32);
+            for (int r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair(a + r * D + 2 * k), bk);
+          }
+        }
+        for (int r = 0; r < 16; ++r) _mm512_storeu_ps(s + (r0 + r) * KB + t * 16, acc[r]);
+      }
+  }
+  static void pv(float* o, const uint16_t* p, const uint16_t* vt, int64_t nsl, int64_t DT, int64_t D,
+                 int64_t rows) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16)
+      for (int64_t dt = 0; dt < DT; ++dt) {
+        __m512 acc[16];
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_loadu_ps(o + (r0 + r) * D + dt * 16);
+        for (int64_t sl = 0; sl < nsl; ++sl) {
+          const uint16_t* b = vt + (sl * DT + dt) * 512;
+          const uint16_t* a = p + r0 * KB + sl * 32;
+          for (int64_t k = 0; k < 16; ++k) {
+            const __m512bh bk = row(b + k * 32);
+            for (int r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair(a + r * KB + 2 * k), bk);
+          }
+        }
+        for (int r = 0; r < 16; ++r) _mm512_storeu_ps(o + (r0 + r) * D + dt * 16, acc[r]);
+      }
+  }
+};
 
 // The first k of 16 lanes (all for k >= 16, none for k <= 0).
 inline __mmask16 lanes(int64_t k) { return k >= 16 ? 0xffff : k > 0 ? __mmask16((1u << k) - 1) : 0; }
@@ -155,6 +255,7 @@ struct Scratch {
 // Per calling thread, reused across calls (a fresh 2 MB buffer per layer costs page faults).
 thread_local std::vector<uint16_t> t_qp, t_kp, t_vp;
 
+template <class B>
 int attend(uint16_t* out, const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int32_t* table,
            int64_t n, int64_t L, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t nb, float scale,
            int threads) {
@@ -214,7 +315,7 @@ int attend(uint16_t* out, const uint16_t* q, const uint16_t* kc, const uint16_t*
     // 2. attention, head by head (a thread keeps one head's K and V in its cache); within a head the
     // last rows see the most keys, so they go first
     Scratch w(D);
-    config_tiles();
+    B::begin();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < Hkv * nrb; ++item) {
       const int64_t h = item / nrb, R0 = (nrb - 1 - item % nrb) * QB;
@@ -227,25 +328,14 @@ int attend(uint16_t* out, const uint16_t* q, const uint16_t* kc, const uint16_t*
       std::fill(w.l.begin(), w.l.end(), 0.0f);
       std::fill(w.o.begin(), w.o.end(), 0.0f);
       const uint16_t* qh = qp + (h * Rp + R0) * D;
+      // the rows to compute: those past the last live one are padding (AMX multiplies all 64 regardless)
+      const int64_t live = B::kWholeItems ? QB : round_up(std::min(QB, rows - R0), 16);
       for (int64_t k0 = 0; k0 < kend; k0 += KB) {
         const int64_t nk = std::min(KB, kend - k0), nk32 = round_up(nk, 32);
-        // S = Q K^T, one key tile (16 keys) at a time for all 64 rows
-        for (int64_t kt = 0; kt < nk32 / 16; ++kt) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          const uint16_t* kt_tiles = reinterpret_cast<const uint16_t*>(kp + (h * NKT + k0 / 16 + kt) * KS * 256);
-          for (int64_t ks = 0; ks < KS; ks += 2) {  // KS is even: D is a multiple of 64
-            _tile_loadd(6, kt_tiles + ks * 512, 64);
-            SLUICE_DP_ROWS4(6, qh + ks * 32, D);
-            _tile_loadd(7, kt_tiles + (ks + 1) * 512, 64);
-            SLUICE_DP_ROWS4(7, qh + (ks + 1) * 32, D);
-          }
-          store_rows4(w.s.data() + kt * 16, KB);
-        }
+        B::qk(w.s.data(), qh, reinterpret_cast<const uint16_t*>(kp + (h * NKT + k0 / 16) * KS * 256), nk32 / 16, KS,
+              D, live);  // S = Q K^T
         // online softmax over this block's visible keys, 16 at a time, in base 2: u = s * scale * log2(e)
-        for (int64_t r = 0; r < QB; ++r) {
+        for (int64_t r = 0; r < live; ++r) {
           const int64_t lim = std::clamp<int64_t>(w.vis[r] - k0, 0, nk);
           const float* s = w.s.data() + r * KB;
           uint16_t* p = w.p.data() + r * KB;
@@ -270,24 +360,7 @@ int attend(uint16_t* out, const uint16_t* q, const uint16_t* kc, const uint16_t*
           if (alpha != 1.0f)
             for (int64_t d = 0; d < D; ++d) w.o[r * D + d] *= alpha;
         }
-        // O += P V, one 16-column tile of O at a time for all 64 rows
-        for (int64_t dt = 0; dt < DT; ++dt) {
-          float* o = w.o.data() + dt * 16;
-          load_rows4(o, D);
-          const uint16_t* vt = vp + ((h * NS + k0 / 32) * DT + dt) * 512;
-          int64_t sl = 0;
-          for (; sl + 2 <= nk32 / 32; sl += 2) {
-            _tile_loadd(6, vt + sl * DT * 512, 64);
-            SLUICE_DP_ROWS4(6, w.p.data() + sl * 32, KB);
-            _tile_loadd(7, vt + (sl + 1) * DT * 512, 64);
-            SLUICE_DP_ROWS4(7, w.p.data() + (sl + 1) * 32, KB);
-          }
-          if (sl < nk32 / 32) {
-            _tile_loadd(6, vt + sl * DT * 512, 64);
-            SLUICE_DP_ROWS4(6, w.p.data() + sl * 32, KB);
-          }
-          store_rows4(o, D);
-        }
+        B::pv(w.o.data(), w.p.data(), vp + (h * NS + k0 / 32) * DT * 512, nk32 / 32, DT, D, live);  // O += P V
       }
       for (int64_t r = 0; r < QB && R0 + r < rows; ++r) {
         const int64_t i = (R0 + r) / G, g = (R0 + r) % G;
@@ -296,46 +369,56 @@ int attend(uint16_t* out, const uint16_t* q, const uint16_t* kc, const uint16_t*
         for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(w.o[r * D + d] * inv);
       }
     }
-    _tile_release();
+    B::end();
   }
   return 0;
 }
 
-#endif  // SLUICE_AMX
+#endif  // SLUICE_BF16
 
 }  // namespace
 
 extern "C" {
 
-// Whether this build and this process can run sluice_prefill_attention.
+// Which tile multiply sluice_prefill_attention can use in this build and process: 2 AMX (and AVX512-BF16 too),
+// 1 AVX512-BF16 only, 0 none.
 int sluice_prefill_attention_available() {
 #if SLUICE_AMX
-  return amx_permitted();
+  if (amx_permitted()) return 2;
+#endif
+#if SLUICE_BF16
+  return 1;
 #else
   return 0;
 #endif
 }
 
-// out, q: [n, Hq, D] bf16; caches [num_blocks, block_size, Hkv, D] bf16; table: the sequence's block ids.
-// Returns 0, kBadBlock (a table entry outside the cache), kBadShape (n > L, a context longer than the
-// table, or a head dim that is not a multiple of 64 up to 256), or kUnsupported (no AMX here).
-// Nothing is written on an error.
+// out, q: [n, Hq, D] bf16; caches [num_blocks, block_size, Hkv, D] bf16; table: the sequence's block ids;
+// use_amx: AMX tiles, else vdpbf16ps. Returns 0, kBadBlock (a table entry outside the cache), kBadShape (n > L, a
+// context longer than the table, or a head dim that is not a multiple of 32 up to 256, of 64 with AMX), or
+// kUnsupported (not in this build or process). Nothing is written on an error.
 int sluice_prefill_attention(void* out, const void* q, const void* k_cache, const void* v_cache,
                              const int32_t* table, int64_t table_len, int64_t n, int64_t L, int64_t num_q_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                             float scale, int num_threads) {
-  if (n <= 0 || n > L || (L + block_size - 1) / block_size > table_len || head_dim % 64 || head_dim > 256 ||
-      num_kv_heads <= 0 || num_q_heads % num_kv_heads)
+                             float scale, int num_threads, int use_amx) {
+  if (n <= 0 || n > L || (L + block_size - 1) / block_size > table_len || head_dim % (use_amx ? 64 : 32) ||
+      head_dim > 256 || num_kv_heads <= 0 || num_q_heads % num_kv_heads)
     return kBadShape;
+#if SLUICE_BF16
+  auto* o = static_cast<uint16_t*>(out);
+  const auto *qq = static_cast<const uint16_t*>(q), *kc = static_cast<const uint16_t*>(k_cache),
+             *vc = static_cast<const uint16_t*>(v_cache);
+  if (!use_amx)
+    return attend<Dpbf16>(o, qq, kc, vc, table, n, L, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                          scale, num_threads);
 #if SLUICE_AMX
-  if (!amx_permitted()) return kUnsupported;
-  return attend(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
-                static_cast<const uint16_t*>(v_cache), table, n, L, num_q_heads, num_kv_heads, head_dim,
-                block_size, num_blocks, scale, num_threads);
-#else
+  if (amx_permitted())
+    return attend<Amx>(o, qq, kc, vc, table, n, L, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                       scale, num_threads);
+#endif
+#endif
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)table, (void)scale, (void)num_threads, (void)num_blocks;
   return kUnsupported;
-#endif
 }
 
 }  // extern "C"
