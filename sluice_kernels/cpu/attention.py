@@ -4,8 +4,8 @@ The torch twin gathers every sequence's KV blocks into a fresh tensor per layer 
 CPU that copy was most of a decode step. Prefill chunks longer than `MAX_Q_LEN` go, in bf16 on CPUs
 with AMX or AVX512-BF16, to `csrc/prefill_attention_cpu.cpp` (one pass over the paged context in tile matmuls:
 AMX's, or vdpbf16ps's rows of them); elsewhere they gather and take CPU SDPA's flash kernel, twice (context, then
-the chunk itself, causal), merged. A quantized cache (int8, fp8) is read in place by the native kernel; prefill chunks gather it
-dequantized. Bad inputs raise before anything is read.
+the chunk itself, causal), merged. A quantized cache (int8, fp8) is read in place by the native kernel; prefill
+chunks gather it dequantized. Bad inputs raise before anything is read.
 """
 from __future__ import annotations
 

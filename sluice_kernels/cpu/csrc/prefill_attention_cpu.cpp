@@ -159,8 +159,12 @@ struct Dpbf16 {
   static inline __m512bh pair(const uint16_t* x) {  // a bf16 pair broadcast to 16 lanes
     return reinterpret_cast<__m512bh>(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
   }
-  static inline __m512bh row(const uint16_t* x) {
-    return reinterpret_cast<__m512bh>(_mm512_loadu_si512(x));
+  // acc[r] += row r of A (16 bf16 pairs at a + r * stride) times B (16 rows of 16 pairs at b): one tile multiply
+  static inline void dp16(__m512* acc, const uint16_t* a, int64_t stride, const uint16_t* b) {
+    for (int64_t k = 0; k < 16; ++k) {
+      const __m512bh bk = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + k * 32));
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair(a + r * stride + 2 * k), bk);
+    }
   }
   static void qk(float* s, const uint16_t* q, const uint16_t* kt, int64_t nkt, int64_t KS, int64_t D,
                  int64_t rows) {
@@ -171,10 +175,7 @@ struct Dpbf16 {
         for (int64_t ks = 0; ks < KS; ++ks) {
           const uint16_t* b = kt + (t * KS + ks) * 512;
           const uint16_t* a = q + r0 * D + ks * 32;
-          for (int64_t k = 0; k < 16; ++k) {
-            const __m512bh bk = row(b + k * 32);
-            for (int r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair(a + r * D + 2 * k), bk);
-          }
+          dp16(acc, a, D, b);
         }
         for (int r = 0; r < 16; ++r) _mm512_storeu_ps(s + (r0 + r) * KB + t * 16, acc[r]);
       }
@@ -188,10 +189,7 @@ struct Dpbf16 {
         for (int64_t sl = 0; sl < nsl; ++sl) {
           const uint16_t* b = vt + (sl * DT + dt) * 512;
           const uint16_t* a = p + r0 * KB + sl * 32;
-          for (int64_t k = 0; k < 16; ++k) {
-            const __m512bh bk = row(b + k * 32);
-            for (int r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair(a + r * KB + 2 * k), bk);
-          }
+          dp16(acc, a, KB, b);
         }
         for (int r = 0; r < 16; ++r) _mm512_storeu_ps(o + (r0 + r) * D + dt * 16, acc[r]);
       }

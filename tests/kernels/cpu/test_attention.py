@@ -13,7 +13,7 @@ import torch
 
 from sluice_kernels import reference
 from sluice_kernels.cpu import attention
-from sluice_kernels.cpu.binding import Native
+from sluice_kernels.cpu.binding import Native, bind
 from tests.kernels.common import DTYPES, TOLERANCES, PagedBatch, paged_batch
 
 MIXED = ([1, 7, 1, 12, 1, 40, 0], [30, 9, 0, 0, 16, 25, 5])  # decodes, chunks, a whole prompt, an idle row
@@ -172,6 +172,39 @@ def test_one_pass_refuses_a_bad_block_before_reading(native_builds, monkeypatch,
         bad[0, 2] = block
         with pytest.raises(ValueError, match="outside the KV cache"):
             attention.paged_attention(b.q, b.k_cache, b.v_cache, bad, b.cu_seqlens_q, b.seq_lens, 0.3, lib=lib)
+
+
+@pytest.fixture(scope="module")
+def amx_emulated(native_builds, tmp_path_factory) -> Native:
+    """The default build with `amx_emulated.cpp` for `prefill_attention_cpu.cpp`: the `Amx` path on emulated tiles."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from sluice_kernels.cpu import build
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if native_builds["native"].prefill == "" or cxx is None:
+        pytest.skip("the emulated AMX build needs AVX512-BF16 and a C++ compiler")
+    out = tmp_path_factory.mktemp("amx-emulated") / "emulated.so"
+    sources = [Path(__file__).with_name("amx_emulated.cpp"),
+               *(f for f in build.SOURCES if f.name != "prefill_attention_cpu.cpp")]
+    subprocess.run([cxx, *build.FLAGS, "-w", "-D__AMX_TILE__", "-D__AMX_BF16__", f"-I{build.CSRC}", *map(str, sources),
+                    "-o", str(out)], check=True, capture_output=True)
+    lib = bind(out)
+    assert lib.prefill == "amx"
+    return lib
+
+
+@pytest.mark.parametrize("n,cached", CHUNKS, ids=[f"{n}on{c}" for n, c in CHUNKS])
+@pytest.mark.parametrize("heads,head_dim", [((8, 4), 64), ((6, 3), 128), ((4, 4), 256)])
+def test_the_amx_path_on_emulated_tiles_equals_the_twin(amx_emulated, monkeypatch, n, cached, heads, head_dim):
+    """What `Amx` adds to the shared pass (its tile loads, strides and multiplies) is checked on every CPU with
+    AVX512-BF16, AMX or not; on a CPU with AMX the tests above run the same code on real tiles."""
+    _no_sdpa(monkeypatch)
+    b = _cpu(paged_batch([1, n, 3], [50, cached, 7], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                         block_size=24, dtype=torch.bfloat16))
+    _check(amx_emulated, b)
 
 
 def test_builds_without_avx512_keep_the_sdpa_path(native_builds):
