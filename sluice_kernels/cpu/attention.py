@@ -111,8 +111,8 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """n new tokens at positions L-n..L-1 of one sequence -> [n, Hq, D].
 
-    bf16 with AMX and a head dim that is a multiple of 64 (up to 256), or with AVX512-BF16 and one of 32: the native
-    kernel, one pass (`Native.prefill`).
+    bf16 with AMX or AVX512-BF16 and a head dim that is a multiple of 32 (up to 256): the native kernel, one pass
+    (`Native.prefill`), in AMX tiles where the head dim is a multiple of 64 too.
     Otherwise SDPA's flash kernel; its causal mask is aligned top-left, a chunk's is bottom-right, so
     instead of an n x L mask (built per layer, and no masked tile skipped) this runs two flash passes:
     the chunk over its cached context (no mask) and over itself (causal, which is then aligned), merged
@@ -128,8 +128,9 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         k, v = (reference._gather(c, table, nblk, q.dtype, s)[:, :L].transpose(1, 2).contiguous()
                 for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
         return _flash_two_pass(q, k, v, L, scale)
-    D, amx = q.shape[-1], lib.prefill == "amx"
-    if k_scale is None and lib.prefill and q.dtype == torch.bfloat16 and D % (64 if amx else 32) == 0 and D <= 256:
+    D = q.shape[-1]
+    amx = lib.prefill == "amx" and D % 64 == 0  # (AMX's tiles take 64 dims at a time; a CPU with AMX has vdpbf16ps)
+    if k_scale is None and lib.prefill and q.dtype == torch.bfloat16 and D % 32 == 0 and D <= 256:
         out = torch.empty_like(q)
         nb, bs, Hkv, _ = k_cache.shape
         table = table.contiguous()
