@@ -56,6 +56,12 @@ def _decoding(sched, reqs: list, max_model_len: int = 1024) -> list:
     return reqs
 
 
+def _until_first_token(sched, req: Request, max_model_len: int):
+    """Steps `sched` until `req` has its first token, yielding each step's record (`fake_step`)."""
+    while not req.num_output_tokens:
+        yield fake_step(sched, max_model_len)
+
+
 def test_one_clients_many_streams_take_turns_and_anothers_decodes_every_step() -> None:
     sched = _sched()
     hog = _decoding(sched, [_req("a", max_tokens=40) for _ in range(64)])
@@ -236,13 +242,12 @@ def test_a_newcomers_prompt_gets_a_share_of_the_step(cached) -> None:
         while first.finish_reason is None:
             fake_step(sched, 1024)
     sched.add(b)
-    steps, prompt_steps = 0, []
-    while not b.num_output_tokens:
-        rec = fake_step(sched, 1024)
-        steps += 1
+    prompt_steps = []
+    for rec in _until_first_token(sched, b, 1024):
         decodes, tokens = sum(1 for r, _, _ in rec.entries if r is not b), {r: n for r, n, _ in rec.entries}[b]
         assert sched.step_cost.predict(decodes, tokens, 0.0) <= HEADROOM * TARGET_MS / 1e3 + 1e-6, "meets the target"
         prompt_steps.append((decodes, tokens))
+    steps = len(prompt_steps)
     capacity = int(sched.step_cost.decodes_within(TARGET_MS / 1e3))  # (35, less the fit's rounding)
     if cached:
         assert steps == 1 and prompt_steps[0][1] == 16 and capacity - 9 <= prompt_steps[0][0] < capacity, prompt_steps
@@ -290,8 +295,7 @@ def test_a_client_with_a_stream_and_a_new_prompt_still_shares() -> None:
     *hog, chat = _decoding(sched, [*(_req("a", max_tokens=400) for _ in range(64)), _req("b", max_tokens=400)], 4096)
     second = _req("b", prompt_len=200, max_tokens=5)
     sched.add(second)
-    while not second.num_output_tokens:
-        rec = fake_step(sched, 4096)
+    for rec in _until_first_token(sched, second, 4096):
         assert chat in rec.reqs
         decodes, tokens = len(rec.reqs) - (second in rec.reqs), {r: n for r, n, _ in rec.entries}.get(second, 0)
         assert sched.step_cost.predict(decodes, tokens, 0.0) <= HEADROOM * TARGET_MS / 1e3 + 1e-6
@@ -309,10 +313,7 @@ def test_a_newcomer_behind_another_clients_queue_gets_its_share() -> None:
     fake_step(sched, 8192)
     b = _req("b", prompt_len=64, max_tokens=3)
     sched.add(b)
-    steps = 0
-    while not b.num_output_tokens:
-        fake_step(sched, 8192)
-        steps += 1
+    steps = sum(1 for _ in _until_first_token(sched, b, 8192))
     assert steps <= 12, steps
 
 
@@ -336,10 +337,7 @@ def test_another_clients_prompt_under_way_leaves_a_newcomer_its_share() -> None:
     long = _prompt_under_way(sched, 64, 600)
     b = _req("b", prompt_len=64, max_tokens=3)
     sched.add(b)
-    steps = 0
-    while not b.num_output_tokens:
-        rec = fake_step(sched, 4096)
-        steps += 1
+    for steps, rec in enumerate(_until_first_token(sched, b, 4096), 1):
         tokens = {r: n for r, n, _ in rec.entries}
         decodes = sum(1 for r in rec.reqs if not r.is_prefilling and r is not b and r is not long)
         assert sched.step_cost.predict(decodes, tokens.get(b, 0) + tokens.get(long, 0), 0.0) \
@@ -397,10 +395,7 @@ def test_a_reserve_the_newcomer_cannot_use_goes_back_to_the_prompt_under_way() -
     long = _prompt_under_way(sched, 64, 2000, 8192)
     b = _req("b", prompt_len=300, max_tokens=3)
     sched.add(b)
-    steps = 0
-    while not b.num_output_tokens:
-        rec = fake_step(sched, 8192)
-        steps += 1
+    for steps, rec in enumerate(_until_first_token(sched, b, 8192), 1):
         assert long in rec.reqs or not long.is_prefilling, "a's prompt goes on every step"
     assert steps < 150, steps
 
